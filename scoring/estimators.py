@@ -1,0 +1,337 @@
+"""RAGEN-2 diagnostics from a cross-scoring matrix: the only home of these formulas.
+
+With matched_r = L[r, own column] and marginal_r = logsumexp_j L[r, j] - ln N (N columns,
+duplicates counted), means over rows (RAGEN ``collapse_metrics._compute_metrics_for_pairs``):
+
+    mi_estimate             = mean(matched) - mean(marginal)           I(X;Z) = H(Z) - H(Z|X)
+    conditional_entropy_est = -mean(matched)                           H(Z|X)
+    reasoning_entropy_est   = -mean(marginal)                          H(Z)
+    mi_zscore               = mean((matched - marginal) / (std(marginal) + eps))
+    mi_zscore_ema           = the same with an EMA of std(marginal) across steps
+
+computed on L_tok (unsuffixed names) and on L_seq (``_seq`` names); retrieval on L_tok only.
+Everything here is float64; RAGEN accumulates L in float32, so its figures agree with ours to
+float32 rounding. Must not import service/.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TOP_KS = (2, 4, 8)
+PAPER_METRICS = (
+    "matched_log_prob_mean",
+    "marginal_log_prob_mean",
+    "mi_estimate",
+    "mi_seq_estimate",
+    "mi_upper_bound",
+    "conditional_entropy_est",
+    "conditional_entropy_seq_est",
+    "reasoning_entropy_est",
+    "reasoning_entropy_seq_est",
+    "marginal_std",
+    "marginal_std_seq",
+    "mi_zscore",
+    "mi_zscore_seq",
+    "marginal_std_ema",
+    "marginal_std_ema_seq",
+    "mi_zscore_ema",
+    "mi_zscore_ema_seq",
+    "retrieval_accuracy",
+    "retrieval_chance_level",
+    "retrieval_above_chance",
+    *(
+        f"{name}@{k}"
+        for k in TOP_KS
+        for name in ("retrieval_accuracy", "retrieval_chance_level", "retrieval_above_chance")
+    ),
+)
+TOKEN_ENTROPY_METRICS = ("token_entropy_mean", "token_entropy_p10", "token_entropy_p50", "token_entropy_p90")
+
+
+class MatrixError(ValueError):
+    """A cross-scoring matrix or its companions are malformed; the message names the field."""
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """Constants of the estimators (RAGEN defaults) and of our bootstrap.
+
+    Attributes:
+        std_eps: added to the marginal std before dividing (z-scores).
+        ema_decay: d in ema = d * ema + (1 - d) * current.
+        bootstrap_samples: resamples of rows for the intervals; 0 disables them.
+        bootstrap_seed: seed of the resampling, so intervals are reproducible.
+        confidence: coverage of the percentile intervals.
+    """
+
+    std_eps: float = 1e-3
+    ema_decay: float = 0.9
+    bootstrap_samples: int = 1000
+    bootstrap_seed: int = 0
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not self.std_eps >= 0:
+            raise ValueError(f"std_eps must be >= 0, got {self.std_eps}")
+        if not 0 <= self.ema_decay <= 1:
+            raise ValueError(f"ema_decay must be within [0, 1], got {self.ema_decay}")
+        if self.bootstrap_samples < 0:
+            raise ValueError(f"bootstrap_samples must be >= 0, got {self.bootstrap_samples}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must be within (0, 1), got {self.confidence}")
+
+
+@dataclass(frozen=True)
+class EmaState:
+    """EMA of the marginal std, kept per (run, sampler) between steps; None before the first step."""
+
+    marginal_std: float | None = None
+    marginal_std_seq: float | None = None
+
+
+@dataclass(frozen=True)
+class ColumnBreakdown:
+    """Per-prompt view: which prompts lost input dependence (means over the column's own rows)."""
+
+    column: int
+    group_id: int
+    n_rows: int
+    matched_mean: float
+    mi_term: float
+    retrieval_rate: float
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """What one scoring batch says about input dependence.
+
+    ``metrics`` holds exactly the RAGEN names (``PAPER_METRICS``); it is empty, with
+    ``skipped_reason`` set, when there are fewer than two columns.
+    """
+
+    metrics: dict[str, float]
+    intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
+    columns: tuple[ColumnBreakdown, ...] = ()
+    skipped_reason: str | None = None
+
+
+def compute_diagnostics(
+    L_tok: np.ndarray,
+    L_seq: np.ndarray,
+    column_of_row: np.ndarray,
+    column_prompts: Sequence[Sequence[int]] | None,
+    ema: EmaState,
+    config: EstimatorConfig,
+    column_group_ids: Sequence[int] | None = None,
+) -> tuple[Diagnostics, EmaState]:
+    """All RAGEN-2 diagnostics of one step, and the EMA state to carry to the next.
+
+    Args:
+        L_tok: [R, N] per-token cross log-probs (nats).
+        L_seq: [R, N] per-sequence cross log-probs (nats).
+        column_of_row: [R] each row's own column.
+        column_prompts: [N] prompt token ids per column, so that identical prompts count as one
+            answer in retrieval; None when every column is a distinct prompt.
+        ema: state after the previous step of the same (run, sampler).
+        config: estimator constants.
+        column_group_ids: [N] names of the columns in the breakdown (default 0..N-1).
+
+    Returns:
+        (diagnostics, new EMA state). With fewer than two columns nothing is computed and the
+        EMA state is returned unchanged.
+    """
+    L_tok, L_seq, cols = _check_matrix(L_tok, L_seq, column_of_row, column_prompts)
+    n_cols = L_tok.shape[1]
+    if n_cols < 2:
+        reason = f"fewer than two columns (N={n_cols}): mutual information needs at least two prompts"
+        return Diagnostics(metrics={}, skipped_reason=reason), ema
+
+    matched, marginal = matched_and_marginal(L_tok, cols)
+    matched_seq, marginal_seq = matched_and_marginal(L_seq, cols)
+    std, std_seq = float(np.std(marginal)), float(np.std(marginal_seq))
+    # RAGEN updates the EMA before using it, so the first step's EMA is that step's std.
+    ema_std = _ema(ema.marginal_std, std, config.ema_decay)
+    ema_std_seq = _ema(ema.marginal_std_seq, std_seq, config.ema_decay)
+    terms, terms_seq = matched - marginal, matched_seq - marginal_seq
+    metrics = {
+        "matched_log_prob_mean": float(matched.mean()),
+        "marginal_log_prob_mean": float(marginal.mean()),
+        "mi_estimate": float(matched.mean()) - float(marginal.mean()),
+        "mi_seq_estimate": float(terms_seq.mean()),
+        "mi_upper_bound": math.log(n_cols),
+        "conditional_entropy_est": -float(matched.mean()),
+        "conditional_entropy_seq_est": -float(matched_seq.mean()),
+        "reasoning_entropy_est": -float(marginal.mean()),
+        "reasoning_entropy_seq_est": -float(marginal_seq.mean()),
+        "marginal_std": std,
+        "marginal_std_seq": std_seq,
+        "mi_zscore": float((terms / (std + config.std_eps)).mean()),
+        "mi_zscore_seq": float((terms_seq / (std_seq + config.std_eps)).mean()),
+        "marginal_std_ema": ema_std,
+        "marginal_std_ema_seq": ema_std_seq,
+        "mi_zscore_ema": float((terms / (ema_std + config.std_eps)).mean()),
+        "mi_zscore_ema_seq": float((terms_seq / (ema_std_seq + config.std_eps)).mean()),
+    }
+    signature = _column_signatures(column_prompts, n_cols)
+    correct_at, chance = retrieval_hits(L_tok, cols, signature)
+    metrics.update(retrieval_metrics(correct_at, chance, n_cols))
+    group_ids = list(column_group_ids) if column_group_ids is not None else list(range(n_cols))
+    diagnostics = Diagnostics(
+        metrics={name: metrics[name] for name in PAPER_METRICS},
+        intervals=bootstrap_intervals(terms, correct_at[1], config),
+        columns=column_breakdown(matched, terms, correct_at[1], cols, group_ids),
+    )
+    return diagnostics, EmaState(marginal_std=ema_std, marginal_std_seq=ema_std_seq)
+
+
+def matched_and_marginal(L: np.ndarray, column_of_row: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([R] L[r, own column], [R] logsumexp_j L[r, j] - ln N), stable for any magnitude."""
+    n_cols = L.shape[1]
+    matched = L[np.arange(L.shape[0]), column_of_row]
+    peak = L.max(axis=1, keepdims=True)
+    marginal = (peak + np.log(np.exp(L - peak).sum(axis=1, keepdims=True)))[:, 0] - math.log(n_cols)
+    return matched, marginal
+
+
+def retrieval_hits(
+    L_tok: np.ndarray, column_of_row: np.ndarray, signature: np.ndarray
+) -> tuple[dict[int, np.ndarray], float]:
+    """Per-row retrieval hits at k in {1, 2, 4, 8} and the top-1 chance level.
+
+    Columns are ranked by L (higher first, the lower column index first on exact ties, so top-1
+    is ``argmax``); a hit is a ranked column whose prompt equals the row's own prompt, so
+    identical prompts count as one answer. k is capped at min(8, N) as in RAGEN.
+    """
+    n_cols = L_tok.shape[1]
+    k_max = min(max(TOP_KS), n_cols)
+    ranked = np.argsort(-L_tok, axis=1, kind="stable")[:, :k_max]  # [R, k_max]
+    own = signature[column_of_row]  # [R]
+    hit = signature[ranked] == own[:, None]  # [R, k_max]
+    correct_at = {k: hit[:, : min(k, k_max)].any(axis=1) for k in (1, *TOP_KS)}
+    counts = np.bincount(signature, minlength=signature.max() + 1)
+    chance = float((counts[own] / n_cols).mean())
+    return correct_at, chance
+
+
+def retrieval_metrics(correct_at: dict[int, np.ndarray], chance: float, n_cols: int) -> dict[str, float]:
+    accuracy = float(correct_at[1].mean())
+    metrics = {
+        "retrieval_accuracy": accuracy,
+        "retrieval_chance_level": chance,
+        "retrieval_above_chance": accuracy - chance,
+    }
+    for k in TOP_KS:
+        accuracy_k = float(correct_at[k].mean())
+        chance_k = min(1.0, chance * min(k, max(TOP_KS), n_cols))
+        metrics[f"retrieval_accuracy@{k}"] = accuracy_k
+        metrics[f"retrieval_chance_level@{k}"] = chance_k
+        metrics[f"retrieval_above_chance@{k}"] = accuracy_k - chance_k
+    return metrics
+
+
+def bootstrap_intervals(
+    mi_terms: np.ndarray, correct: np.ndarray, config: EstimatorConfig
+) -> dict[str, tuple[float, float]]:
+    """Percentile intervals of ``mi_estimate`` and ``retrieval_accuracy`` with rows resampled.
+
+    Batch-level MI is noisy (it can dip below zero); an interval that straddles a threshold says
+    the step alone does not show a change. Columns stay fixed: only rows are resampled.
+    """
+    if config.bootstrap_samples == 0:
+        return {}
+    rng = np.random.default_rng(config.bootstrap_seed)
+    idx = rng.integers(0, len(mi_terms), size=(config.bootstrap_samples, len(mi_terms)))  # [B, R]
+    tail = 100 * (1 - config.confidence) / 2
+    intervals = {}
+    for name, values in (("mi_estimate", mi_terms), ("retrieval_accuracy", correct.astype(np.float64))):
+        low, high = np.percentile(values[idx].mean(axis=1), [tail, 100 - tail])
+        intervals[name] = (float(low), float(high))
+    return intervals
+
+
+def column_breakdown(
+    matched: np.ndarray,
+    mi_terms: np.ndarray,
+    correct: np.ndarray,
+    column_of_row: np.ndarray,
+    group_ids: Sequence[int],
+) -> tuple[ColumnBreakdown, ...]:
+    """Per column: its rows' matched mean, MI term (mean of matched - marginal), retrieval rate."""
+    out = []
+    for j, gid in enumerate(group_ids):
+        own = column_of_row == j
+        if not own.any():
+            continue
+        out.append(
+            ColumnBreakdown(
+                column=j,
+                group_id=int(gid),
+                n_rows=int(own.sum()),
+                matched_mean=float(matched[own].mean()),
+                mi_term=float(mi_terms[own].mean()),
+                retrieval_rate=float(correct[own].mean()),
+            )
+        )
+    return tuple(out)
+
+
+def token_entropy_stats(per_row: Sequence[np.ndarray]) -> dict[str, float]:
+    """Matched-pair token entropy: mean over all tokens, and p10/p50/p90 of the per-row means.
+
+    Rows without reasoning tokens are left out; an empty dict when no row has any.
+    """
+    rows = [np.asarray(e, dtype=np.float64) for e in per_row if len(e)]
+    if not rows:
+        return {}
+    p10, p50, p90 = np.percentile([r.mean() for r in rows], [10, 50, 90])
+    return {
+        "token_entropy_mean": float(np.concatenate(rows).mean()),
+        "token_entropy_p10": float(p10),
+        "token_entropy_p50": float(p50),
+        "token_entropy_p90": float(p90),
+    }
+
+
+def _ema(previous: float | None, current: float, decay: float) -> float:
+    return current if previous is None else decay * previous + (1 - decay) * current
+
+
+def _column_signatures(column_prompts: Sequence[Sequence[int]] | None, n_cols: int) -> np.ndarray:
+    """[N] int: columns with identical prompts share a signature id (first-seen order)."""
+    if column_prompts is None:
+        return np.arange(n_cols)
+    ids: dict[tuple[int, ...], int] = {}
+    return np.array([ids.setdefault(tuple(p), len(ids)) for p in column_prompts], dtype=np.int64)
+
+
+def _check_matrix(
+    L_tok: np.ndarray,
+    L_seq: np.ndarray,
+    column_of_row: np.ndarray,
+    column_prompts: Sequence[Sequence[int]] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    L_tok = np.asarray(L_tok, dtype=np.float64)
+    L_seq = np.asarray(L_seq, dtype=np.float64)
+    cols = np.asarray(column_of_row, dtype=np.int64)
+    if L_tok.ndim != 2 or L_tok.shape[0] == 0:
+        raise MatrixError(f"L_tok must be a non-empty [R, N] matrix, got shape {L_tok.shape}")
+    if L_seq.shape != L_tok.shape:
+        raise MatrixError(f"L_seq must have the shape of L_tok {L_tok.shape}, got {L_seq.shape}")
+    if cols.shape != (L_tok.shape[0],):
+        raise MatrixError(f"column_of_row must hold one column per row ({L_tok.shape[0]}), got shape {cols.shape}")
+    if cols.size and (cols.min() < 0 or cols.max() >= L_tok.shape[1]):
+        raise MatrixError(f"column_of_row values must lie in [0, {L_tok.shape[1] - 1}]")
+    for name, L in (("L_tok", L_tok), ("L_seq", L_seq)):
+        if not np.isfinite(L).all():
+            r, j = np.argwhere(~np.isfinite(L))[0]
+            raise MatrixError(f"{name}[{r}][{j}] must be a finite number, got {L[r, j]}")
+    if column_prompts is not None and len(column_prompts) != L_tok.shape[1]:
+        raise MatrixError(
+            f"column_prompt_tokens must list one prompt per column ({L_tok.shape[1]}), got {len(column_prompts)}"
+        )
+    return L_tok, L_seq, cols

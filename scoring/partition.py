@@ -1,0 +1,79 @@
+"""The RAGEN partition of an agent turn into conditioning context X and reasoning Z (text level).
+
+X is everything the model saw before it started reasoning, up to and including the literal
+``<think>``; Z is the content of the first ``<think>...</think>`` block with the format tokens
+removed and surrounding whitespace stripped (RAGEN ``ctx_manager``). Tokenization is the caller's:
+RAGEN tokenizes X and Z separately without special tokens, which can differ at the boundary from
+tokenizing X + Z together; we do the same so that our numbers match RAGEN's.
+Must not import service/.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from scoring.batch import Tokens
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+# RAGEN's ctx_manager strips these from the reasoning text, the chat-template markers included.
+FORMAT_TOKENS = ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>")
+_THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def clean_reasoning(text: str) -> str:
+    """Removes the format tokens from reasoning text and strips surrounding whitespace."""
+    for token in FORMAT_TOKENS:
+        text = text.replace(token, "")
+    return text.strip()
+
+
+def split_turn(prompt: str, response: str) -> tuple[str, str]:
+    """Splits one turn into (X, Z) text.
+
+    Args:
+        prompt: everything the model was given (chat template applied), possibly already
+            ending in ``<think>`` when the generation prompt opens the think block.
+        response: the full assistant text as generated.
+
+    Returns:
+        ``(x, z)``. When the response opens a think block, X is the prompt plus the response up
+        to and including its first ``<think>``. When it does not, the think block is taken to
+        have been opened by the prompt (RAGEN prepends ``<think>`` to generations), and X is the
+        prompt with ``<think>`` appended unless it already ends with it. Z is empty when the
+        response has no complete think block.
+    """
+    start = response.find(THINK_OPEN)
+    if start >= 0:
+        x = prompt + response[: start + len(THINK_OPEN)]
+        body = response[start:]
+    else:
+        x = prompt if prompt.rstrip().endswith(THINK_OPEN) else prompt + THINK_OPEN
+        body = THINK_OPEN + response
+    match = _THINK_BLOCK.search(body)
+    return x, clean_reasoning(match.group(1)) if match else ""
+
+
+def turn_token_ids(
+    encode: Callable[[str], Tokens],
+    *,
+    prompt: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
+    response: str | None = None,
+    reasoning: str | None = None,
+    reasoning_ids: Sequence[int] | None = None,
+) -> tuple[Tokens, Tokens]:
+    """(X ids, Z ids) of one turn given as text and/or token ids.
+
+    Token ids are used as they are. A ``response`` is split with ``split_turn``: with a text
+    prompt, X is the prompt plus the response up to its ``<think>``; with prompt ids, X is those
+    ids and only Z comes from the response. A ``reasoning`` text is tokenized as sent.
+    """
+    x_text, z_text = prompt or "", reasoning or ""
+    if response is not None:
+        x_text, z_text = split_turn(x_text, response)
+    x = tuple(prompt_ids) if prompt_ids is not None else encode(x_text)
+    if reasoning_ids is not None:
+        return x, tuple(reasoning_ids)
+    return x, encode(z_text) if z_text else ()

@@ -1,0 +1,190 @@
+"""SNR-aware filtering: keep the prompt groups whose rewards spread the most (RAGEN ``rollout_filter``).
+
+Low reward variance within a group gives policy-gradient updates a weak signal relative to noise,
+which RAGEN-2 identifies as the driver of template collapse. This module computes each group's
+reward statistics and reproduces RAGEN's group selection. Two deliberate differences, both at
+edges RAGEN leaves undefined: groups may have different sizes, and a group of one sample (whose
+n-1 std RAGEN would make NaN) is given spread 0 and listed in ``single_sample_groups``. Ties are
+broken towards the lower group index. Must not import service/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+STRATEGIES = ("top_p", "top_k", "top_k_abs", "min_p")
+FILTER_TYPES = ("largest", "smallest")
+TOP_P_MODES = ("linear", "softmax")
+# RAGEN ranks by the group std under the name "reward_variance"; "reward_std" is its alias.
+METRICS = ("reward_variance", "reward_std", "reward", "reward_sum")
+ZERO_SPREAD = 1e-10  # RAGEN's bound for "this score is zero"
+
+
+@dataclass(frozen=True)
+class FilterConfig:
+    """RAGEN's rollout-filter settings, with its defaults."""
+
+    strategy: str = "top_p"
+    value: float = 0.9
+    filter_type: str = "largest"
+    include_zero: bool = True
+    top_p_prob_mode: str = "linear"
+    selection_eps: float = 0.01
+    metric: str = "reward_variance"
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("strategy", STRATEGIES),
+            ("filter_type", FILTER_TYPES),
+            ("top_p_prob_mode", TOP_P_MODES),
+            ("metric", METRICS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if not self.value >= 0:
+            raise ValueError(f"value must be >= 0, got {self.value}")
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    """[G] per-group reward statistics; std uses n-1 and is 0 for single-sample groups."""
+
+    std: np.ndarray
+    mean: np.ndarray
+    max: np.ndarray
+    sum: np.ndarray
+    sizes: np.ndarray
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    selected_groups: list[int]
+    kept_row_indices: list[int]
+    group_reward_std: list[float]
+    metrics: dict[str, float]
+    single_sample_groups: list[int]
+    warnings: list[str]
+
+
+def group_stats(rewards: Sequence[Sequence[float]]) -> GroupStats:
+    if not rewards:
+        raise ValueError("rewards must hold at least one group, got 0")
+    for g, group in enumerate(rewards):
+        if not group:
+            raise ValueError(f"rewards[{g}] must hold at least one reward, got 0")
+    groups = [np.asarray(g, dtype=np.float64) for g in rewards]
+    return GroupStats(
+        std=np.array([g.std(ddof=1) if g.size > 1 else 0.0 for g in groups]),
+        mean=np.array([g.mean() for g in groups]),
+        max=np.array([g.max() for g in groups]),
+        sum=np.array([g.sum() for g in groups]),
+        sizes=np.array([g.size for g in groups], dtype=np.int64),
+    )
+
+
+def filter_groups(rewards: Sequence[Sequence[float]], config: FilterConfig) -> FilterResult:
+    """Selects groups as RAGEN's reward filter does and reports its ``rollout/...`` metrics.
+
+    Args:
+        rewards: one list of rewards per group (group g's rollouts).
+        config: the selection rule.
+
+    Returns:
+        The kept groups (ascending), their rows numbered group-major, each group's reward std,
+        RAGEN's metrics, and warnings for anything degenerate.
+    """
+    stats = group_stats(rewards)
+    scores = {"reward": stats.mean, "reward_sum": stats.sum}.get(config.metric, stats.std)
+    selected = sorted(select_groups(scores, config))
+    offsets = np.concatenate([[0], np.cumsum(stats.sizes)])
+    kept_rows = [int(r) for g in selected for r in range(offsets[g], offsets[g + 1])]
+    singles = [int(g) for g in np.flatnonzero(stats.sizes == 1)]
+    warnings = []
+    if singles:
+        warnings.append(f"groups {singles} have a single sample: no reward spread, std taken as 0")
+    n_zero = int((np.abs(scores) <= ZERO_SPREAD).sum())
+    if n_zero == len(scores):
+        warnings.append(f"all {len(scores)} groups score 0 on {config.metric}: there is no learning signal to rank")
+    if not selected:
+        warnings.append("the filter keeps no group")
+    return FilterResult(
+        selected_groups=selected,
+        kept_row_indices=kept_rows,
+        group_reward_std=[float(s) for s in stats.std],
+        metrics=filter_metrics(stats, selected, n_zero),
+        single_sample_groups=singles,
+        warnings=warnings,
+    )
+
+
+def select_groups(scores: np.ndarray, config: FilterConfig) -> list[int]:
+    """Indices of the groups RAGEN's ``_select_top_groups`` keeps, in selection order.
+
+    The arithmetic is float32 as in RAGEN (it casts scores with ``.float()``), so that knife-edge
+    comparisons (``min_p``'s 1e-10 margins, the ``top_p`` threshold) come out as RAGEN's do.
+    """
+    scores = np.asarray(scores, dtype=np.float32)
+    value = np.float32(config.value)
+    n_groups = len(scores)
+    indices = np.arange(n_groups)
+    if not config.include_zero:
+        nonzero = np.abs(scores) > ZERO_SPREAD
+        scores, indices = scores[nonzero], indices[nonzero]
+        if indices.size == 0:
+            return []
+    largest = config.filter_type == "largest"
+    # Stable sorts of the (negated) scores rank ties by lower group index.
+    order = np.argsort(-scores if largest else scores, kind="stable")
+    if config.strategy == "top_p":
+        if config.value >= 1.0:
+            return [int(i) for i in indices]
+        if config.top_p_prob_mode == "softmax":
+            logits = scores if largest else -scores
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum(dtype=np.float32)
+            by_prob = np.argsort(-probs, kind="stable")
+            cutoff = int(np.searchsorted(np.cumsum(probs[by_prob], dtype=np.float32), value, side="left"))
+            return [int(i) for i in indices[by_prob[: min(cutoff + 1, indices.size)]]]
+        threshold = value * scores.sum(dtype=np.float32) - np.float32(config.selection_eps)
+        total, taken = 0.0, 0
+        for score in scores[order]:
+            if np.float32(total) >= threshold or score <= 0:
+                break
+            total += float(score)
+            taken += 1
+        return [int(i) for i in indices[order[:taken]]] if np.float32(total) >= threshold else []
+    if config.strategy in ("top_k", "top_k_abs"):
+        # top_k is a fraction of all groups, counted before zero-spread groups were dropped.
+        k = int(config.value * n_groups) if config.strategy == "top_k" else int(config.value)
+        k = max(min(k, indices.size), 1)
+        return [int(i) for i in indices[order[:k]]]
+    # min_p
+    if largest:
+        keep = scores >= scores.max() * value - np.float32(ZERO_SPREAD)
+    else:
+        keep = scores <= scores.min() / np.float32(config.value + ZERO_SPREAD) + np.float32(ZERO_SPREAD)
+    return [int(i) for i in indices[keep]]
+
+
+def filter_metrics(stats: GroupStats, selected: Sequence[int], n_zero: int) -> dict[str, float]:
+    """RAGEN's ``rollout/...`` figures; a mean over no chosen group is 0, as in RAGEN."""
+    chosen = np.asarray(selected, dtype=np.int64)
+
+    def chosen_mean(values: np.ndarray) -> float:
+        return float(values[chosen].mean()) if chosen.size else 0.0
+
+    metrics: dict[str, float] = {}
+    for name, values in (("std", stats.std), ("mean", stats.mean), ("max", stats.max), ("sum", stats.sum)):
+        metrics[f"rollout/in_group_reward_{name}"] = float(values.mean())
+        metrics[f"rollout/chosen_in_group_reward_{name}"] = chosen_mean(values)
+    for name, values in (("std", stats.std), ("mean", stats.mean), ("max", stats.max)):
+        metrics[f"rollout/in_group_{name}"] = float(values.mean())
+        metrics[f"rollout/chosen_in_group_{name}"] = chosen_mean(values)
+    n_groups = len(stats.std)
+    metrics["rollout/filter_kept_count"] = float(chosen.size)
+    metrics["rollout/filter_kept_ratio"] = chosen.size / n_groups
+    metrics["rollout/filter_zero_count"] = float(n_zero)
+    return dict(sorted(metrics.items()))

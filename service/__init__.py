@@ -1,0 +1,1 @@
+"""collapse-monitor service: HTTP API, storage, background scoring, metrics, alerts."""

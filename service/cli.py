@@ -1,0 +1,226 @@
+"""The ``collapse-monitor`` command line: a fixed interface that other tools depend on.
+
+    collapse-monitor metrics --input FILE        RAGEN-2 diagnostics of cross-scoring matrices
+    collapse-monitor filter  --input FILE        SNR-aware filter advice (RAGEN's rollout filter)
+    collapse-monitor score   --model M --input FILE.jsonl
+                                                 score a dumped batch: metrics, breakdown and L
+
+FILE may be ``-`` for stdin. Results go to stdout as one JSON document. Bad input exits with
+code 2 and one line on stderr naming the field and what was wrong; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from service.schemas import FilterRequest, InputError, MatrixInput, MatrixSteps, ScoreRowIn
+
+EXIT_BAD_INPUT = 2
+DEFAULT_CACHE_DIR = Path("~/.cache/collapse-monitor").expanduser()
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+
+class UsageError(Exception):
+    """Bad input or arguments: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        result = args.command(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(result))
+    return 0
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="collapse-monitor", description="Template-collapse diagnostics for agentic RL.")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_Parser)
+
+    metrics = commands.add_parser("metrics", help="diagnostics of cross-scoring matrices (JSON)")
+    metrics.add_argument("--input", required=True, help="JSON file, or - for stdin")
+    metrics.set_defaults(command=_run_metrics)
+
+    filt = commands.add_parser("filter", help="SNR-aware filter advice (JSON)")
+    filt.add_argument("--input", required=True, help="JSON file, or - for stdin")
+    filt.set_defaults(command=_run_filter)
+
+    score = commands.add_parser("score", help="score a dumped batch with a model (JSONL rows)")
+    score.add_argument("--model", required=True, help="tiny-random, smollm2-135m, a model folder or a .gguf file")
+    score.add_argument("--input", required=True, help="JSONL file, one row per line, or - for stdin")
+    score.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    score.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    score.add_argument("--temperature", type=float, default=1.0, help="scoring temperature (default 1.0)")
+    score.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of every forward")
+    score.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="converted GGUF models")
+    score.set_defaults(command=_run_score)
+    return parser
+
+
+def _read(path: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as e:
+        raise UsageError(f"--input: cannot read {path!r}: {e.strerror}") from e
+
+
+def _parse_json(text: str, where: str = "input") -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from e
+
+
+def _validate(model: type[M], data: Any, where: str = "") -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise UsageError(f"{where}{format_validation_error(e)}") from e
+
+
+def format_validation_error(error: ValidationError) -> str:
+    """All of pydantic's errors on one line, each as ``path: message`` (``steps[1].L_seq[2]: ...``)."""
+    parts = []
+    for item in error.errors():
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"]).lstrip(".")
+        parts.append(f"{path or 'input'}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def _guard(action: Callable[[], T], prefix: str = "") -> T:
+    """Turns the scoring package's input errors into one-line usage errors."""
+    try:
+        return action()
+    except InputError as e:
+        raise UsageError(f"{prefix}{e}") from e
+    except ValueError as e:  # BatchError, MatrixError, ScoringError, ModelLoadError are ValueErrors
+        raise UsageError(f"{prefix}{e}") from e
+
+
+def _run_metrics(args: argparse.Namespace) -> Any:
+    from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics
+
+    data = _parse_json(_read(args.input))
+    steps = _validate(MatrixSteps, data).steps if isinstance(data, dict) and "steps" in data else None
+    inputs = steps if steps is not None else [_validate(MatrixInput, data)]
+    ema = EmaState()
+    results = []
+    for i, step in enumerate(inputs):
+        prefix = f"steps[{i}]." if steps is not None else ""
+        L_tok, L_seq, cols = _guard(step.arrays, prefix)
+        config = EstimatorConfig(std_eps=step.config.std_eps, ema_decay=step.config.ema_decay, bootstrap_samples=0)
+        diagnostics, ema = compute_diagnostics(L_tok, L_seq, cols, step.column_prompt_tokens, ema, config)
+        if diagnostics.skipped_reason:
+            print(f"note: {prefix}{diagnostics.skipped_reason}", file=sys.stderr)
+        results.append(diagnostics.metrics)
+    return results if steps is not None else results[0]
+
+
+def _run_filter(args: argparse.Namespace) -> Any:
+    from scoring.snr_filter import filter_groups
+
+    request = _validate(FilterRequest, _parse_json(_read(args.input)))
+    result = filter_groups(request.rewards, request.filter_config())
+    return {
+        "selected_groups": result.selected_groups,
+        "kept_row_indices": result.kept_row_indices,
+        "group_reward_std": result.group_reward_std,
+        "metrics": result.metrics,
+        "single_sample_groups": result.single_sample_groups,
+        "warnings": result.warnings,
+    }
+
+
+def _run_score(args: argparse.Namespace) -> Any:
+    from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
+    from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
+
+    rows = []
+    for number, line in enumerate(_read(args.input).splitlines(), start=1):
+        if line.strip():
+            rows.append((number, _validate(ScoreRowIn, _parse_json(line, f"line {number}"), f"line {number}: ")))
+    if not rows:
+        raise UsageError("--input: no rows (expected one JSON object per line)")
+    config: ScoringConfig = _guard(
+        lambda: ScoringConfig(
+            model=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            temperature=args.temperature,
+            max_batch_tokens=args.max_batch_tokens,
+        ),
+        "--",
+    )
+    scorer = _guard(lambda: load_scorer(config, args.cache_dir), "--model: ")
+    kept, prompts, reasonings, groups, dropped = [], [], [], [], []
+    for number, row in rows:
+        x, z = _guard(partial(_turn_ids, scorer.encode, row), f"line {number}: ")
+        if not z:
+            dropped.append(number)  # RAGEN never scores empty reasoning
+            continue
+        kept.append(number)
+        prompts.append(x)
+        reasonings.append(z)
+        groups.append(row.group_id)
+    if not kept:
+        raise UsageError("--input: every row has empty reasoning; nothing to score")
+    batch = _guard(lambda: ScoringBatch.from_rows(prompts, reasonings, groups))
+    scores = _guard(lambda: score_batch(scorer, batch, config))
+    diagnostics, _ = compute_diagnostics(
+        scores.L_tok,
+        scores.L_seq,
+        batch.column_of_row,
+        batch.column_prompts,
+        EmaState(),
+        EstimatorConfig(),
+        batch.column_group_ids,
+    )
+    return {
+        "model": args.model,
+        "rows": batch.n_rows,
+        "columns": batch.n_columns,
+        "line_of_row": kept,
+        "dropped_empty_reasoning_lines": dropped,
+        "column_group_ids": list(batch.column_group_ids),
+        "metrics": {**diagnostics.metrics, **token_entropy_stats(scores.token_entropy)},
+        "skipped_reason": diagnostics.skipped_reason,
+        "intervals": {name: list(bounds) for name, bounds in diagnostics.intervals.items()},
+        "per_prompt": [vars(c) for c in diagnostics.columns],
+        "reasoning_lengths": scores.reasoning_lengths.tolist(),
+        "L_seq": scores.L_seq.tolist(),
+        "L_tok": scores.L_tok.tolist(),
+    }
+
+
+def _turn_ids(encode: Callable[[str], tuple[int, ...]], row: ScoreRowIn) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from scoring.partition import turn_token_ids
+
+    return turn_token_ids(
+        encode,
+        prompt=row.prompt,
+        prompt_ids=row.prompt_token_ids,
+        response=row.response,
+        reasoning=row.reasoning,
+        reasoning_ids=row.reasoning_token_ids,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Wire formats shared by the command line and the HTTP API; field constraints are the input rules.
+
+Must not import fastapi: the CLI uses these models without a server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+
+from scoring.snr_filter import FilterConfig
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class InputError(ValueError):
+    """Input that is well-typed but inconsistent; ``field`` names where, e.g. ``L_seq[2]``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EstimatorSettings(_Strict):
+    std_eps: float = Field(1e-3, ge=0, description="Added to the marginal std before dividing (z-scores).")
+    ema_decay: float = Field(0.9, ge=0, le=1, description="d in ema = d * ema + (1 - d) * std.")
+
+
+class MatrixInput(_Strict):
+    """A cross-scoring matrix computed elsewhere: the ``collapse-monitor metrics`` input."""
+
+    row_group_ids: list[int] = Field(min_length=1, description="Group id of each of the R rows.")
+    column_prompt_tokens: list[list[TokenId]] | None = Field(
+        None,
+        description="Prompt token ids of each column, in ascending group-id order, so identical prompts count "
+        "as one answer in retrieval. When absent every column is a distinct prompt.",
+    )
+    reasoning_lengths: list[Annotated[int, Field(ge=0)]] = Field(description="T_r, reasoning tokens per row.")
+    L_seq: list[list[FiniteFloat]] = Field(description="[R][N] summed log p(z_r | x_j) in nats.")
+    L_tok: list[list[FiniteFloat]] | None = Field(None, description="[R][N]; default L_seq / max(T_r, 1).")
+    config: EstimatorSettings = Field(default_factory=EstimatorSettings)
+
+    def check(self) -> None:
+        """Raises InputError naming the first field whose shape disagrees with the others."""
+        n_rows = len(self.row_group_ids)
+        n_cols = len(set(self.row_group_ids))
+        if len(self.reasoning_lengths) != n_rows:
+            raise InputError(
+                "reasoning_lengths", f"must hold one length per row ({n_rows}), got {len(self.reasoning_lengths)}"
+            )
+        for name in ("L_seq", "L_tok"):
+            matrix = getattr(self, name)
+            if matrix is None:
+                continue
+            if len(matrix) != n_rows:
+                raise InputError(name, f"must hold one row per row group id ({n_rows}), got {len(matrix)}")
+            for r, row in enumerate(matrix):
+                if len(row) != n_cols:
+                    raise InputError(
+                        f"{name}[{r}]", f"must hold one value per column ({n_cols} distinct group ids), got {len(row)}"
+                    )
+        if self.column_prompt_tokens is not None and len(self.column_prompt_tokens) != n_cols:
+            raise InputError(
+                "column_prompt_tokens",
+                f"must hold one prompt per column ({n_cols} distinct group ids), got {len(self.column_prompt_tokens)}",
+            )
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(L_tok [R, N], L_seq [R, N], column_of_row [R]) as float64 / int64 arrays."""
+        self.check()
+        columns = sorted(set(self.row_group_ids))
+        index = {g: j for j, g in enumerate(columns)}
+        L_seq = np.array(self.L_seq, dtype=np.float64).reshape(len(self.row_group_ids), len(columns))
+        if self.L_tok is None:
+            L_tok = L_seq / np.maximum(np.array(self.reasoning_lengths, dtype=np.float64), 1)[:, None]
+        else:
+            L_tok = np.array(self.L_tok, dtype=np.float64).reshape(L_seq.shape)
+        return L_tok, L_seq, np.array([index[g] for g in self.row_group_ids], dtype=np.int64)
+
+
+class MatrixSteps(_Strict):
+    steps: list[MatrixInput] = Field(min_length=1, description="Steps processed in order by one estimator.")
+
+
+class FilterRequest(_Strict):
+    """SNR-aware filter advice: the ``collapse-monitor filter`` input (RAGEN's rollout filter)."""
+
+    rewards: list[Annotated[list[FiniteFloat], Field(min_length=1)]] = Field(
+        min_length=1, description="One list of rewards per group (the rollouts of one prompt)."
+    )
+    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = "top_p"
+    value: float = Field(0.9, ge=0, description="top_p mass, top_k fraction, top_k_abs count or min_p ratio.")
+    filter_type: Literal["largest", "smallest"] = "largest"
+    include_zero: bool = Field(True, description="When false, groups scoring |s| <= 1e-10 are dropped first.")
+    top_p_prob_mode: Literal["linear", "softmax"] = "linear"
+    selection_eps: float = Field(0.01, ge=0, description="Slack subtracted from the linear top_p threshold.")
+    metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = Field(
+        "reward_variance",
+        description="Ranking score: group reward std (reward_variance, as RAGEN names it), mean or sum.",
+    )
+
+    def filter_config(self) -> FilterConfig:
+        return FilterConfig(
+            strategy=self.strategy,
+            value=self.value,
+            filter_type=self.filter_type,
+            include_zero=self.include_zero,
+            top_p_prob_mode=self.top_p_prob_mode,
+            selection_eps=self.selection_eps,
+            metric=self.metric,
+        )
+
+
+class FilterResponse(_Strict):
+    selected_groups: list[int]
+    kept_row_indices: list[int]
+    group_reward_std: list[float]
+    metrics: dict[str, float]
+    single_sample_groups: list[int]
+    warnings: list[str]
+
+
+class TurnIn(_Strict):
+    """One agent turn: the prompt as text or ids, and the response or the reasoning.
+
+    Text is tokenized by the scorer's tokenizer without special tokens, prompt and reasoning
+    separately (as RAGEN does). A ``response`` is split the RAGEN way: the reasoning is its first
+    ``<think>...</think>`` block, cleaned; a ``reasoning`` or ``reasoning_token_ids`` is used as sent.
+    """
+
+    prompt: str | None = Field(None, description="Everything the model saw before reasoning (chat template applied).")
+    prompt_token_ids: list[TokenId] | None = None
+    response: str | None = Field(None, description="Full assistant text; reasoning extracted the RAGEN way.")
+    reasoning: str | None = None
+    reasoning_token_ids: list[TokenId] | None = None
+
+    @model_validator(mode="after")
+    def _one_of_each(self) -> TurnIn:
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt, prompt_token_ids")
+        given = [f for f in ("response", "reasoning", "reasoning_token_ids") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of response, reasoning, reasoning_token_ids; got {given or 'none'}")
+        return self
+
+
+class ScoreRowIn(TurnIn):
+    """One line of the ``collapse-monitor score`` JSONL input."""
+
+    group_id: int
