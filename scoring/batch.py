@@ -28,7 +28,7 @@ class ScoringBatch:
         group_ids: [R] group id per row.
         column_group_ids: [N] distinct group ids, ascending.
         column_prompts: [N] the prompt of each column.
-        column_of_row: [R] int64, index of each row's own column.
+        column_of_row: [R] index of each row's own column.
     """
 
     prompts: tuple[Tokens, ...]
@@ -36,7 +36,7 @@ class ScoringBatch:
     group_ids: tuple[int, ...]
     column_group_ids: tuple[int, ...]
     column_prompts: tuple[Tokens, ...]
-    column_of_row: np.ndarray
+    column_of_row: tuple[int, ...]
 
     @classmethod
     def from_rows(
@@ -77,7 +77,7 @@ class ScoringBatch:
             group_ids=gids,
             column_group_ids=column_group_ids,
             column_prompts=tuple(prompt_rows[first_row[g]] for g in column_group_ids),
-            column_of_row=np.array([column_index[g] for g in gids], dtype=np.int64),
+            column_of_row=tuple(column_index[g] for g in gids),
         )
 
     @property

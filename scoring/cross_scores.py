@@ -2,13 +2,14 @@
 
 How the work is shared (naive scoring re-encodes [x_j ; z_r] for every pair):
   1. prefix   the longest prefix shared by all distinct prompts goes through the model once;
-  2. columns  each distinct prompt's remaining tokens run once on top of the prefix cache; its last
+  2. prompts  each distinct prompt's remaining tokens run once, attending to the prefix; its last
               hidden state gives log p(z_r[0] | x_j) for every row at once;
-  3. pairs    every (row, prompt) pair runs only z_r[:-1] on top of that prompt's cached keys and
-              values, many pairs per forward, rows of different prompts mixed.
-Only scored positions are projected onto the vocabulary, in chunks. Every forward holds at most
-``max_batch_tokens`` tokens (sequences x (cached + new)); distinct prompts are processed in blocks
-that fit that budget, so their caches are bounded by it too.
+  3. pairs    every (row, prompt) pair runs only z_r[:-1], attending to the prefix and the prompt,
+              many pairs per forward.
+Shared keys and values are never copied per sequence: ``scoring.cascade`` attends to them in
+place. Only scored positions are projected onto the vocabulary, in chunks. Every forward holds at
+most ``max_batch_tokens`` tokens (sequences x (attended + new)); distinct prompts are processed in
+blocks within that budget, so their keys and values are bounded by it too.
 Must not import service/.
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from scoring.batch import ScoringBatch, Tokens
+from scoring.cascade import CascadePlan, Segment, install
 from scoring.config import ScoringConfig
 from scoring.models import Scorer
 
@@ -57,14 +59,15 @@ def score_batch(scorer: Scorer, batch: ScoringBatch, config: ScoringConfig) -> C
     Results do not depend on batch size, row order or padding beyond float rounding.
     """
     prompts, prompt_of_column = _distinct_prompts(batch.column_prompts)
-    prompt_of_row = prompt_of_column[batch.column_of_row]  # [R]
+    prompt_of_row = prompt_of_column[np.asarray(batch.column_of_row)]  # [R]
     _check_lengths(scorer, batch, prompts, config.max_batch_tokens)
+    install(scorer.model)
     run = _Run(scorer, config, batch.reasonings, prompt_of_row, n_prompts=len(prompts))
     with torch.inference_mode():
         prefix_len = _shared_prefix_length(prompts)
-        prefix_kv = run.forward_prefix(prompts[0][:prefix_len])
+        prefix = run.encode_prefix(prompts[0][:prefix_len])
         for block in _prompt_blocks(prompts, config.max_batch_tokens):
-            run.score_block([prompts[u] for u in block], block, prefix_len, prefix_kv)
+            run.score_block(block, [prompts[u] for u in block], prefix_len, prefix)
 
     lengths = batch.reasoning_lengths
     L_seq = run.L[:, prompt_of_column]  # [R, N]: duplicate prompts share one scored column
@@ -122,9 +125,6 @@ def token_logprobs(
     return logp, entropy
 
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, heads, slots, head_dim]
-
-
 class _Run:
     """Accumulates L and the matched-pair entropies of one score_batch call."""
 
@@ -147,39 +147,48 @@ class _Run:
         self.tokens_processed = 0
 
     def forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, past: KV | None
-    ) -> tuple[torch.Tensor, KV]:
-        """Runs the base model on ``ids`` [B, Q] after ``past``; returns hidden [B, Q, H] and the KV."""
-        from transformers import DynamicCache
+        self, sequences: Sequence[Tokens], start_positions: Sequence[int], plan: CascadePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs right-padded ``sequences`` with ``plan``; returns hidden [B, Q, H] and the valid mask [B, Q]."""
+        ids, mask = _pad(sequences, self.device)
+        positions = torch.tensor(start_positions, device=self.device)[:, None] + torch.arange(
+            ids.shape[1], device=self.device
+        )
+        # No cache and no mask: cascade attention knows each sequence's context from the plan,
+        # and right padding is invisible to the valid tokens under causal attention.
+        out = self.base(input_ids=ids, position_ids=positions, use_cache=False, cascade=plan)
+        self.tokens_processed += int(mask.sum())
+        return out.last_hidden_state, mask.bool()
 
-        # A config-less DynamicCache keeps every layer whole (no sliding-window trimming), so
-        # cached slots stay addressable by index when they are regrouped into new batches.
-        cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()
-        out = self.base(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-        kv = [(layer.keys, layer.values) for layer in out.cache.layers]
-        self.tokens_processed += int(mask[:, -ids.shape[1] :].sum())
-        return out.last_hidden_state, kv
-
-    def forward_prefix(self, prefix: Tokens) -> KV | None:
+    def encode_prefix(self, prefix: Tokens) -> Segment | None:
+        """Keys and values of the shared prefix, seen by every later sequence."""
         if not prefix:
             return None
-        ids = torch.tensor([prefix], device=self.device)
-        _, kv = self.forward(ids, torch.ones_like(ids), torch.arange(len(prefix), device=self.device)[None], None)
-        return kv
+        plan = CascadePlan(segments=[], record=True)
+        self.forward([prefix], [0], plan)
+        layers = range(len(plan.recorded))
+        return Segment(keys=[plan.recorded[i][0][0] for i in layers], values=[plan.recorded[i][1][0] for i in layers])
 
-    def score_block(self, prompts: list[Tokens], prompt_ids: list[int], prefix_len: int, prefix_kv: KV | None) -> None:
-        """Runs a block of distinct prompts, then every row under each of them."""
-        n = len(prompts)
+    def score_block(
+        self, prompt_ids: list[int], prompts: list[Tokens], prefix_len: int, prefix: Segment | None
+    ) -> None:
+        """Encodes a block of distinct prompts once, then scores every row under each of them."""
+        plan = CascadePlan(segments=[prefix] if prefix else [], record=True)
         suffixes = [p[prefix_len:] for p in prompts]
-        ids, mask_new = _pad(suffixes, self.device)  # [n, S]
-        mask = torch.cat([torch.ones(n, prefix_len, dtype=torch.long, device=self.device), mask_new], dim=1)
-        positions = prefix_len + torch.arange(ids.shape[1], device=self.device).expand(n, -1)
-        past = [(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1)) for k, v in prefix_kv] if prefix_kv else None
-        hidden, kv = self.forward(ids, mask, positions, past)
+        hidden, _ = self.forward(suffixes, [prefix_len] * len(prompts), plan)
         last = torch.tensor([len(s) - 1 for s in suffixes], device=self.device)
-        self._score_first_tokens(hidden[torch.arange(n, device=self.device), last], prompt_ids)
+        self._score_first_tokens(hidden[torch.arange(len(prompts), device=self.device), last], prompt_ids)
+        layers = range(len(plan.recorded))
+        # Each prompt's own keys and values, without the block's padding: [kv_heads, length, D].
+        own = [
+            (
+                [plan.recorded[i][0][b, :, : len(s)] for i in layers],
+                [plan.recorded[i][1][b, :, : len(s)] for i in layers],
+            )
+            for b, s in enumerate(suffixes)
+        ]
         for pairs in _pair_batches(prompts, self.reasonings, self.config.max_batch_tokens):
-            self._score_pairs(pairs, prompts, prompt_ids, kv, mask)
+            self._score_pairs(pairs, prompt_ids, prompts, prefix, own)
 
     def _score_first_tokens(self, last_hidden: torch.Tensor, prompt_ids: list[int]) -> None:
         """log p(z_r[0] | x_u) for every row, from each prompt's last hidden state [n, H].
@@ -201,44 +210,36 @@ class _Run:
                     if self.prompt_of_row[r] == u:
                         self.entropy[r][0] = entropy[i]
 
-    def _project(
-        self, hidden: torch.Tensor, targets: torch.Tensor, want_entropy: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(
-            self.head, hidden, targets, want_entropy, self.config.temperature, self.config.logits_chunk_tokens
-        )
-
     def _score_pairs(
         self,
         pairs: list[tuple[int, int]],
-        prompts: list[Tokens],
         prompt_ids: list[int],
-        kv: KV,
-        prompt_mask: torch.Tensor,
+        prompts: list[Tokens],
+        prefix: Segment | None,
+        own: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
     ) -> None:
-        """Runs z_r[:-1] for each (block prompt index, row) pair on top of the prompt's cache."""
-        device = self.device
-        local = torch.tensor([i for i, _ in pairs], device=device)
-        context = max(len(prompts[i]) for i, _ in pairs)
-        # The block cache holds slots [prefix | suffix | padding]; columns were sorted by length,
-        # so slicing to this batch's longest prompt drops only padding.
-        slots = context
-        past = [(k[local, :, :slots], v[local, :, :slots]) for k, v in kv]
-        queries = [self.reasonings[r][:-1] for _, r in pairs]
-        ids, query_mask = _pad(queries, device)  # [B, Q]
-        mask = torch.cat([prompt_mask[local, :slots], query_mask], dim=1)
-        starts = torch.tensor([len(prompts[i]) for i, _ in pairs], device=device)
-        positions = starts[:, None] + torch.arange(ids.shape[1], device=device)
-        hidden, _ = self.forward(ids, mask, positions, past)
-
-        valid = query_mask.bool()
-        targets, _ = _pad([self.reasonings[r][1:] for _, r in pairs], device)
-        matched = torch.tensor([self.prompt_of_row[r] == prompt_ids[i] for i, r in pairs], device=device)
-        logp, entropy = self._project(hidden[valid], targets[valid], matched[:, None].expand_as(valid)[valid])
-        per_position = torch.zeros(valid.shape, dtype=torch.float64, device=device)
+        """Runs z_r[:-1] for each (block prompt index, row) pair after its prompt."""
+        segments = [prefix] if prefix else []
+        for i in sorted({i for i, _ in pairs}):
+            rows = torch.tensor([b for b, (j, _) in enumerate(pairs) if j == i], device=self.device)
+            segments.append(Segment(keys=own[i][0], values=own[i][1], rows=rows))
+        hidden, valid = self.forward(
+            [self.reasonings[r][:-1] for _, r in pairs], [len(prompts[i]) for i, _ in pairs], CascadePlan(segments)
+        )
+        targets, _ = _pad([self.reasonings[r][1:] for _, r in pairs], self.device)
+        matched = torch.tensor([self.prompt_of_row[r] == prompt_ids[i] for i, r in pairs], device=self.device)
+        logp, entropy = token_logprobs(
+            self.head,
+            hidden[valid],
+            targets[valid],
+            matched[:, None].expand_as(valid)[valid],
+            self.config.temperature,
+            self.config.logits_chunk_tokens,
+        )
+        per_position = torch.zeros(valid.shape, dtype=torch.float64, device=self.device)
         per_position[valid] = logp
         sums = per_position.sum(dim=1).cpu().numpy()
-        entropy_rows = torch.full(valid.shape, float("nan"), dtype=torch.float64, device=device)
+        entropy_rows = torch.full(valid.shape, float("nan"), dtype=torch.float64, device=self.device)
         entropy_rows[valid] = entropy
         entropy_np = entropy_rows.cpu().numpy()
         for b, (i, r) in enumerate(pairs):
@@ -266,7 +267,7 @@ def _distinct_prompts(column_prompts: Sequence[Tokens]) -> tuple[list[Tokens], n
 
 
 def _shared_prefix_length(prompts: Sequence[Tokens]) -> int:
-    """Longest common prefix, leaving each prompt at least its last token for the column phase."""
+    """Longest common prefix, leaving each prompt at least its last token for the prompt phase."""
     limit = min(len(p) for p in prompts) - 1
     first = prompts[0]
     n = 0
@@ -276,7 +277,7 @@ def _shared_prefix_length(prompts: Sequence[Tokens]) -> int:
 
 
 def _prompt_blocks(prompts: Sequence[Tokens], budget: int) -> Iterator[list[int]]:
-    """Groups distinct prompts, shortest first, into column forwards of at most ``budget`` tokens."""
+    """Groups distinct prompts, shortest first, into prompt forwards of at most ``budget`` tokens."""
     order = sorted(range(len(prompts)), key=lambda u: (len(prompts[u]), u))
     block: list[int] = []
     for u in order:
@@ -292,21 +293,22 @@ def _prompt_blocks(prompts: Sequence[Tokens], budget: int) -> Iterator[list[int]
 def _pair_batches(
     prompts: Sequence[Tokens], reasonings: Sequence[Tokens], budget: int
 ) -> Iterator[list[tuple[int, int]]]:
-    """Batches of (block prompt index, row) pairs, longest queries first, within ``budget``.
+    """Batches of (block prompt index, row) pairs within ``budget``, one prompt's pairs together.
 
-    A batch of B pairs holds B x (longest prompt + longest query) tokens.
+    Keeping a prompt's pairs together lets each batch attend to few prompt segments, in large
+    matmuls. A batch of B pairs holds B x (longest prompt + longest query) tokens.
     """
-    pairs = [(i, r) for r, z in enumerate(reasonings) if len(z) >= 2 for i in range(len(prompts))]
-    pairs.sort(key=lambda p: (-len(reasonings[p[1]]), -len(prompts[p[0]]), p[1], p[0]))
+    pairs = [(i, r) for i in range(len(prompts)) for r, z in enumerate(reasonings) if len(z) >= 2]
+    pairs.sort(key=lambda p: (p[0], -len(reasonings[p[1]]), p[1]))
     batch: list[tuple[int, int]] = []
-    width = 0
+    context = query = 0
     for i, r in pairs:
-        need = len(prompts[i]) + len(reasonings[r]) - 1
-        if batch and (len(batch) + 1) * max(width, need) > budget:
+        wider_context, wider_query = max(context, len(prompts[i])), max(query, len(reasonings[r]) - 1)
+        if batch and (len(batch) + 1) * (wider_context + wider_query) > budget:
             yield batch
-            batch, width = [], 0
+            batch, wider_context, wider_query = [], len(prompts[i]), len(reasonings[r]) - 1
         batch.append((i, r))
-        width = max(width, need)
+        context, query = wider_context, wider_query
     if batch:
         yield batch
 

@@ -123,7 +123,7 @@ class Diagnostics:
 def compute_diagnostics(
     L_tok: np.ndarray,
     L_seq: np.ndarray,
-    column_of_row: np.ndarray,
+    column_of_row: np.ndarray | Sequence[int],
     column_prompts: Sequence[Sequence[int]] | None,
     ema: EmaState,
     config: EstimatorConfig,
@@ -312,7 +312,7 @@ def _column_signatures(column_prompts: Sequence[Sequence[int]] | None, n_cols: i
 def _check_matrix(
     L_tok: np.ndarray,
     L_seq: np.ndarray,
-    column_of_row: np.ndarray,
+    column_of_row: np.ndarray | Sequence[int],
     column_prompts: Sequence[Sequence[int]] | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     L_tok = np.asarray(L_tok, dtype=np.float64)

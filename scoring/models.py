@@ -127,6 +127,11 @@ def check_scorer(scorer: Scorer) -> None:
     head = model.get_output_embeddings()
     if head is None or not hasattr(model, "base_model") or model.base_model is model:
         raise ModelLoadError(f"{scorer.name}: not a causal LM with a separate output embedding")
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in (None, "sdpa", "eager"):
+        # Cached prompts of different lengths leave padding between a prompt and its reasoning;
+        # flash-attention kernels infer sequence bounds from the mask and cannot take that.
+        raise ModelLoadError(f"{scorer.name}: attention {attention!r} is not supported; use sdpa or eager")
     vocab = int(head.weight.shape[0])
     ids = torch.arange(3, dtype=torch.long, device=scorer.device).remainder(vocab).unsqueeze(0)
     with torch.inference_mode():
@@ -146,7 +151,7 @@ def _load_folder(path: Path) -> tuple[Any, Any]:
 
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model folder {str(path)!r} has no config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer
 

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny transformers built from configs in-process (no hub, no files)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from scoring import Scorer, ScoringBatch
+
+VOCAB = 64
+
+
+def tiny_scorer(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Scorer:
+    """A 2-layer random transformer of the given family; vocab 64, hidden 32."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if family == "gpt2":
+            config = GPT2Config(
+                vocab_size=VOCAB,
+                n_embd=32,
+                n_layer=2,
+                n_head=4,
+                n_positions=256,
+                bos_token_id=0,
+                eos_token_id=0,
+                attn_implementation="sdpa",
+            )
+            model = GPT2LMHeadModel(config)
+        else:
+            config = LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                initializer_range=0.3,
+                attn_implementation="sdpa",
+            )
+            model = LlamaForCausalLM(config)
+    model.to(dtype).eval()
+    return Scorer(name=f"tiny-{family}", model=model, tokenizer=None)
+
+
+def random_batch(seed: int, n_groups: int = 5, per_group: int = 3, system_len: int = 10) -> ScoringBatch:
+    """Prompts sharing a system prefix, varied suffixes, reasoning of 0..8 tokens (some empty)."""
+    rng = np.random.default_rng(seed)
+    system = [int(t) for t in rng.integers(0, VOCAB, system_len)]
+    prompts = {g: system + [int(t) for t in rng.integers(0, VOCAB, rng.integers(1, 8))] for g in range(n_groups)}
+    rows = [
+        (prompts[g], [int(t) for t in rng.integers(0, VOCAB, rng.integers(0, 9))], g)
+        for g in range(n_groups)
+        for _ in range(per_group)
+    ]
+    return ScoringBatch.from_rows([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+
+@pytest.fixture(scope="session")
+def llama64() -> Scorer:
+    return tiny_scorer("llama", torch.float64)
+
+
+@pytest.fixture(scope="session")
+def gpt2_64() -> Scorer:
+    return tiny_scorer("gpt2", torch.float64)

@@ -1,0 +1,183 @@
+"""The kernel equals the naive per-pair scorer, whatever the batching; budgets are honoured."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from scoring import ScoringBatch, ScoringConfig, ScoringError, score_batch, score_batch_naive
+from tests.conftest import VOCAB, random_batch, tiny_scorer
+
+
+def assert_scores_close(a, b, atol):
+    np.testing.assert_allclose(a.L_seq, b.L_seq, atol=atol, rtol=0)
+    np.testing.assert_allclose(a.L_tok, b.L_tok, atol=atol, rtol=0)
+    np.testing.assert_array_equal(a.reasoning_lengths, b.reasoning_lengths)
+    for ea, eb in zip(a.token_entropy, b.token_entropy, strict=True):
+        np.testing.assert_allclose(ea, eb, atol=atol, rtol=0)  # NaN positions must agree too
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("budget", [40, 97, 100_000])
+def test_batched_scores_match_pairwise_reference(family, dtype, atol, budget):
+    scorer = tiny_scorer(family, dtype)
+    batch = random_batch(seed=1)
+    config = ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=7, temperature=0.7)
+    fast = score_batch(scorer, batch, config)
+    naive = score_batch_naive(scorer, batch, temperature=0.7, micro_batch_size=4)
+    assert_scores_close(fast, naive, atol)
+
+
+def test_micro_batched_reference_equals_one_pair_per_forward(llama64):
+    batch = random_batch(seed=2)
+    assert_scores_close(
+        score_batch_naive(llama64, batch, micro_batch_size=1),
+        score_batch_naive(llama64, batch, micro_batch_size=6),
+        1e-10,
+    )
+
+
+def test_results_do_not_depend_on_row_order(llama64):
+    batch = random_batch(seed=3)
+    order = np.random.default_rng(0).permutation(batch.n_rows)
+    shuffled = ScoringBatch.from_rows(
+        [batch.prompts[i] for i in order], [batch.reasonings[i] for i in order], [batch.group_ids[i] for i in order]
+    )
+    a = score_batch(llama64, batch, ScoringConfig())
+    b = score_batch(llama64, shuffled, ScoringConfig())
+    np.testing.assert_allclose(b.L_seq, a.L_seq[order], atol=1e-10, rtol=0)
+    for i, row in enumerate(order):
+        np.testing.assert_allclose(b.token_entropy[i], a.token_entropy[row], atol=1e-10)
+
+
+def test_a_row_scores_the_same_alone_and_beside_long_padded_rows(llama64):
+    prompts = [[1, 2, 3, 4], [1, 2, 9]]
+    alone = ScoringBatch.from_rows(prompts, [[5, 6], [7]], [0, 1])
+    crowded = ScoringBatch.from_rows(
+        [*prompts, [1, 2, 3, 4, *list(range(10, 60))]], [[5, 6], [7], list(range(40))], [0, 1, 2]
+    )
+    a = score_batch(llama64, alone, ScoringConfig(max_batch_tokens=100_000))
+    b = score_batch(llama64, crowded, ScoringConfig(max_batch_tokens=100_000))
+    np.testing.assert_allclose(b.L_seq[:2, :2], a.L_seq, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        [[7, 7, 7], [7, 7, 7]],  # one distinct prompt: prefix stops before its last token
+        [[1], [2]],  # single-token prompts, nothing shared
+        [[3, 4, 5, 6], [3, 4, 5, 6, 8, 9]],  # one prompt is a prefix of the other
+        [[9, 1], [8, 1]],  # differ at the first token
+    ],
+)
+def test_prefix_sharing_edge_cases_match_reference(gpt2_64, prompts):
+    batch = ScoringBatch.from_rows(prompts, [[1, 2, 3], [4]], [0, 1])
+    assert_scores_close(score_batch(gpt2_64, batch, ScoringConfig()), score_batch_naive(gpt2_64, batch), 1e-10)
+
+
+def test_duplicate_prompts_get_identical_columns_and_are_scored_once(llama64):
+    batch = ScoringBatch.from_rows([[1, 2, 3], [1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10], [11]], [5, 2, 9])
+    scores = score_batch(llama64, batch, ScoringConfig())
+    assert batch.column_group_ids == (2, 5, 9)
+    np.testing.assert_array_equal(scores.L_seq[:, 0], scores.L_seq[:, 1])
+    # prefix [1, 2] shared? No: [4, 5] differs at once. Distinct prompts [1,2,3], [4,5]: 5 tokens, then
+    # one query token per pair with T >= 2: rows 0 and 1 under 2 prompts.
+    assert scores.tokens_processed == 5 + (1 + 2) * 2
+
+
+def test_tokens_processed_is_the_minimum_exact_scoring_needs(llama64):
+    batch = random_batch(seed=4)
+    scores = score_batch(llama64, batch, ScoringConfig())
+    distinct = set(batch.column_prompts)
+    shared = 10  # random_batch's system prompt; suffixes differ from their first token (checked below)
+    assert len({p[shared] for p in distinct}) > 1 or len(distinct) == 1
+    queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
+    assert scores.tokens_processed <= shared + sum(len(p) - shared for p in distinct) + queries
+    naive = score_batch_naive(llama64, batch)
+    assert naive.tokens_processed == sum(len(p) + len(z) for p in batch.column_prompts for z in batch.reasonings)
+
+
+def test_empty_and_single_token_reasoning(llama64):
+    batch = ScoringBatch.from_rows([[1, 2], [3, 4]], [[], [5]], [0, 1])
+    scores = score_batch(llama64, batch, ScoringConfig())
+    np.testing.assert_array_equal(scores.L_seq[0], [0.0, 0.0])
+    assert scores.token_entropy[0].shape == (0,)
+    assert scores.token_entropy[1].shape == (1,)
+    assert_scores_close(scores, score_batch_naive(llama64, batch), 1e-10)
+
+
+def test_temperature_divides_the_logits(llama64):
+    batch = random_batch(seed=5)
+    hot = score_batch(llama64, batch, ScoringConfig(temperature=100.0))
+    # At a very high temperature every token is close to uniform: log p -> -ln V.
+    per_token = hot.L_seq / np.maximum(hot.reasoning_lengths, 1)[:, None]
+    has_tokens = hot.reasoning_lengths > 0
+    np.testing.assert_allclose(per_token[has_tokens], -math.log(VOCAB), atol=0.05)
+    entropies = np.concatenate([e for e in hot.token_entropy if len(e)])
+    np.testing.assert_allclose(entropies, math.log(VOCAB), atol=0.01)
+
+
+class _ForwardLog:
+    """Records what every forward of the base model and every vocabulary projection held."""
+
+    def __init__(self, scorer):
+        self.forward_tokens: list[int] = []
+        self.head_rows: list[int] = []
+        base = scorer.model.base_model
+        self.handles = [
+            base.register_forward_pre_hook(self._on_forward, with_kwargs=True),
+            scorer.model.get_output_embeddings().register_forward_hook(self._on_head),
+        ]
+
+    def _on_forward(self, _module, _args, kwargs):
+        ids, plan = kwargs["input_ids"], kwargs["cascade"]
+        attended = torch.zeros(ids.shape[0], dtype=torch.long)
+        for segment in plan.segments:
+            length = segment.keys[0].shape[1]
+            if segment.rows is None:
+                attended += length
+            else:
+                attended[segment.rows.cpu()] += length
+        self.forward_tokens.append(int((attended + ids.shape[1]).sum()))
+
+    def _on_head(self, _module, _args, output):
+        self.head_rows.append(output.shape[0] if output.dim() == 2 else output.shape[0] * output.shape[1])
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("budget", [30, 64, 500])
+def test_every_forward_stays_within_the_token_budget_and_logits_are_chunked(budget):
+    scorer = tiny_scorer("llama", torch.float64)
+    log = _ForwardLog(scorer)
+    try:
+        score_batch(scorer, random_batch(seed=6), ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=16))
+    finally:
+        log.close()
+    assert log.forward_tokens, "the base model never ran"
+    assert max(log.forward_tokens) <= budget
+    assert max(log.head_rows) <= 16
+
+
+def test_a_pair_larger_than_the_budget_is_refused_with_the_fix(llama64):
+    batch = ScoringBatch.from_rows([list(range(20))], [list(range(30))], [0])
+    with pytest.raises(ScoringError, match=r"row 0: .* needs 49 tokens .* max_batch_tokens=32; raise max_batch_tokens"):
+        score_batch(llama64, batch, ScoringConfig(max_batch_tokens=32))
+
+
+def test_a_pair_longer_than_the_context_is_refused(gpt2_64):
+    batch = ScoringBatch.from_rows([list(range(60)) * 4], [[1] * 20], [0])  # 240 + 19 > 256 positions
+    with pytest.raises(ScoringError, match=r"row 0: .* needs 259 positions; the scorer's context is 256"):
+        score_batch(gpt2_64, batch, ScoringConfig())
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(llama64):
+    batch = ScoringBatch.from_rows([[1, 2]], [[VOCAB + 3]], [0])
+    with pytest.raises(ScoringError, match=f"row 0: reasoning token id {VOCAB + 3} is outside the vocabulary of 64"):
+        score_batch(llama64, batch, ScoringConfig())

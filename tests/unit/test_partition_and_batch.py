@@ -1,0 +1,62 @@
+"""The RAGEN X/Z partition of a turn, and the rows -> columns rules of a scoring batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scoring.batch import BatchError, ScoringBatch
+from scoring.partition import split_turn, turn_token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "response", "x", "z"),
+    [
+        ("P", "<think> step 1\nstep 2 </think><answer>Up</answer>", "P<think>", "step 1\nstep 2"),
+        ("P", "Sure. <think>a</think>", "PSure. <think>", "a"),
+        ("P<think>", "plan</think><answer>Left</answer>", "P<think>", "plan"),  # prompt opened the block
+        ("P<think>\n", "plan</think>", "P<think>\n", "plan"),
+        ("P", "<answer>Up</answer>", "P<think>", ""),  # no think block: empty reasoning
+        ("P", "<think>unclosed", "P<think>", ""),
+        ("P", "<think>a <answer>b</answer> <|im_end|></think><think>second</think>", "P<think>", "a b"),
+    ],
+)
+def test_split_turn_follows_ragen(prompt, response, x, z):
+    assert split_turn(prompt, response) == (x, z)
+
+
+def fake_encode(text):
+    return tuple(ord(c) for c in text)
+
+
+def test_turn_token_ids_tokenizes_prompt_and_reasoning_separately():
+    assert turn_token_ids(fake_encode, prompt="ab", response="<think>c</think>") == (
+        fake_encode("ab<think>"),
+        (ord("c"),),
+    )
+    assert turn_token_ids(fake_encode, prompt="ab", reasoning="  c ") == (fake_encode("ab"), fake_encode("  c "))
+    assert turn_token_ids(fake_encode, prompt_ids=[1, 2], response="x<think>c</think>") == ((1, 2), (ord("c"),))
+    assert turn_token_ids(fake_encode, prompt_ids=[1], reasoning_ids=[]) == ((1,), ())
+
+
+def test_columns_are_ascending_group_ids_with_the_first_rows_prompt():
+    batch = ScoringBatch.from_rows([[3], [1], [3], [2]], [[9], [8], [7], []], [30, 10, 30, 20])
+    assert batch.column_group_ids == (10, 20, 30)
+    assert batch.column_prompts == ((1,), (2,), (3,))
+    np.testing.assert_array_equal(batch.column_of_row, [2, 0, 2, 1])
+    np.testing.assert_array_equal(batch.reasoning_lengths, [1, 1, 1, 0])
+
+
+@pytest.mark.parametrize(
+    ("prompts", "reasonings", "groups", "message"),
+    [
+        ([[1], [2]], [[1], [1]], [5, 5], "group 5: rows 0 and 1 carry different prompts"),
+        ([[]], [[1]], [0], "row 0: the prompt must contain at least 1 token, got 0"),
+        ([[1]], [[-1]], [0], "row 0: token ids must be >= 0"),
+        ([], [], [], "a scoring batch needs at least one row, got 0"),
+        ([[1]], [[1], [2]], [0], "one entry per row, got 1, 2 and 1"),
+    ],
+)
+def test_bad_rows_are_refused_naming_the_row_or_group(prompts, reasonings, groups, message):
+    with pytest.raises(BatchError, match=message):
+        ScoringBatch.from_rows(prompts, reasonings, groups)

@@ -1,0 +1,85 @@
+"""RAGEN's samplers: seeded, reproducible, and drawing exactly as RAGEN's NumPy calls do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scoring.samplers import (
+    Trajectory,
+    Turn,
+    coverage,
+    sample_first_turn,
+    sample_rows,
+    sample_trajectory_uniform,
+)
+
+
+def trajectories():
+    # 4 groups x 2 rollouts; rollout (g, k) has 3 turns, turn 1 of every second rollout is empty,
+    # and rollout (1, 0) starts with an empty first turn.
+    out = []
+    for g in range(4):
+        for k in range(2):
+            turns = []
+            for t in range(3):
+                prompt = (g, t) if t == 0 else (g, k, t)
+                empty = (t == 1 and k == 1) or (g == 1 and k == 0 and t == 0)
+                turns.append(Turn(prompt_ids=prompt, reasoning_ids=() if empty else (10 * g + k, t)))
+            out.append(Trajectory(group_id=g, turns=tuple(turns)))
+    return out
+
+
+def test_first_turn_drops_empty_reasoning_and_keeps_group_columns():
+    rows = sample_first_turn(trajectories(), num_samples=None, seed=0)
+    assert [m for m, _ in rows.sources] == [0, 1, 3, 4, 5, 6, 7]
+    assert rows.batch.column_group_ids == (0, 1, 2, 3)
+    assert rows.batch.column_prompts == ((0, 0), (1, 0), (2, 0), (3, 0))
+
+
+def test_first_turn_draws_without_replacement_as_ragen_does():
+    rows = sample_first_turn(trajectories(), num_samples=4, seed=123)
+    valid = [0, 1, 3, 4, 5, 6, 7]
+    expected = np.random.RandomState(123).choice(valid, 4, replace=False)
+    assert [m for m, _ in rows.sources] == list(expected)
+    assert len(set(rows.sources)) == 4
+    assert sample_first_turn(trajectories(), 4, 123) == rows
+
+
+def test_trajectory_uniform_draws_with_replacement_each_draw_its_own_column():
+    rows = sample_trajectory_uniform(trajectories(), num_samples=12, seed=7)
+    assert rows.batch.n_columns == 12
+    rng = np.random.RandomState(7)
+    usable = {m: [t for t in range(3) if trajectories()[m].turns[t].reasoning_ids] for m in range(8)}
+    expected = []
+    for _ in range(12):
+        m = rng.randint(8)
+        expected.append((m, usable[m][rng.randint(len(usable[m]))]))
+    assert list(rows.sources) == expected
+    assert all(trajectories()[m].turns[t].reasoning_ids for m, t in rows.sources)
+
+
+def test_trajectory_uniform_caps_draws_at_the_usable_turns():
+    rows = sample_trajectory_uniform(trajectories(), num_samples=None, seed=0)
+    assert rows.batch.n_rows == 8 * 3 - 4 - 1  # 24 turns, 4 empty second turns, 1 empty first turn
+
+
+def test_nothing_to_sample_gives_none():
+    empty = [Trajectory(group_id=0, turns=(Turn((1,), ()),))]
+    assert sample_first_turn(empty, None, 0) is None
+    assert sample_trajectory_uniform(empty, None, 0) is None
+
+
+def test_coverage_counts_turns_with_reasoning():
+    stats = coverage(trajectories())
+    assert stats == {
+        "first_turn_num_total": 8.0,
+        "first_turn_num_valid": 7.0,
+        "first_turn_valid_rate": 7 / 8,
+        "valid_thinking_rate": 19 / 24,
+    }
+
+
+def test_unknown_sampler_is_refused():
+    with pytest.raises(ValueError, match="sampler must be one of first_turn, trajectory, got 'turn'"):
+        sample_rows("turn", trajectories(), None, 0)
