@@ -40,11 +40,7 @@ class ModelLoadError(ValueError):
 
 @dataclass
 class Scorer:
-    """A causal LM ready for cross-scoring.
-
-    ``check_scorer`` must have accepted the model: the kernel runs its base model and applies the
-    output embedding itself at scored positions only.
-    """
+    """A causal LM ready for cross-scoring (``scoring.reference.verify_scorer`` accepts it)."""
 
     name: str
     model: Any  # a transformers PreTrainedModel (causal LM), in eval mode
@@ -112,38 +108,10 @@ def load_scorer(config: ScoringConfig, cache_dir: Path) -> Scorer:
     model.to(device=resolve_device(config.device), dtype=_TORCH_DTYPES[config.dtype])
     model.eval()
     scorer = Scorer(name=name, model=model, tokenizer=tokenizer)
-    check_scorer(scorer)
+    from scoring.reference import verify_scorer  # the reference imports the kernel, which imports this module
+
+    verify_scorer(scorer)
     return scorer
-
-
-def check_scorer(scorer: Scorer) -> None:
-    """Fails unless logits == output_embedding(base_model(ids)) for this model.
-
-    The kernel projects hidden states onto the vocabulary itself, at scored positions only; a
-    model that transforms logits after its output projection (soft-capping, scaling) would be
-    scored wrongly, so it is refused here rather than silently mis-scored.
-    """
-    model = scorer.model
-    head = model.get_output_embeddings()
-    if head is None or not hasattr(model, "base_model") or model.base_model is model:
-        raise ModelLoadError(f"{scorer.name}: not a causal LM with a separate output embedding")
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in (None, "sdpa", "eager"):
-        # Cached prompts of different lengths leave padding between a prompt and its reasoning;
-        # flash-attention kernels infer sequence bounds from the mask and cannot take that.
-        raise ModelLoadError(f"{scorer.name}: attention {attention!r} is not supported; use sdpa or eager")
-    vocab = int(head.weight.shape[0])
-    ids = torch.arange(3, dtype=torch.long, device=scorer.device).remainder(vocab).unsqueeze(0)
-    with torch.inference_mode():
-        expected = model(input_ids=ids).logits.float()
-        hidden = model.base_model(input_ids=ids).last_hidden_state
-        got = head(hidden).float()
-    tolerance = 1e-4 if scorer.dtype in (torch.float32, torch.float64) else 5e-2
-    if not torch.allclose(got, expected, atol=tolerance, rtol=tolerance):
-        raise ModelLoadError(
-            f"{scorer.name}: the model changes its logits after the output projection "
-            "(e.g. logit soft-capping), which the cross-scoring kernel does not reproduce"
-        )
 
 
 def _load_folder(path: Path) -> tuple[Any, Any]:

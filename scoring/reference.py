@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from scoring.batch import ScoringBatch
-from scoring.cross_scores import CrossScores, entropy_from_logprobs, scaled_log_softmax
-from scoring.models import Scorer
+from scoring.config import ScoringConfig
+from scoring.cross_scores import CrossScores, entropy_from_logprobs, scaled_log_softmax, score_batch
+from scoring.models import ModelLoadError, Scorer
 
 
 def score_batch_naive(
@@ -59,3 +60,27 @@ def score_batch_naive(
         token_entropy=tuple(entropy),
         tokens_processed=tokens,
     )
+
+
+def verify_scorer(scorer: Scorer) -> None:
+    """Refuses a model the kernel would score wrongly, by scoring a tiny batch both ways.
+
+    The kernel runs the base model with its own attention over shared segments and applies the
+    output embedding itself; a model that soft-caps logits or attention, uses a sliding window or
+    otherwise departs from that is caught here, at load, rather than mis-scored later.
+    """
+    vocab = int(scorer.model.get_output_embeddings().weight.shape[0])
+    tokens = [t % vocab for t in range(1, 8)]
+    batch = ScoringBatch.from_rows([tokens[:3], tokens[:2] + tokens[4:5]], [tokens[4:7], tokens[5:7]], [0, 1])
+    try:
+        fast = score_batch(scorer, batch, ScoringConfig())
+    except ValueError as e:
+        raise ModelLoadError(f"{scorer.name}: {e}") from e
+    naive = score_batch_naive(scorer, batch)
+    tolerance = 1e-3 if scorer.dtype in (torch.float32, torch.float64) else 0.25
+    difference = float(np.abs(fast.L_seq - naive.L_seq).max())
+    if not difference <= tolerance:
+        raise ModelLoadError(
+            f"{scorer.name}: the cross-scoring kernel disagrees with the model's own forward by {difference:.3g} "
+            "nats (e.g. the model soft-caps or rescales its logits); it cannot be used as a scorer"
+        )

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from scoring import ModelLoadError, Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch
-from scoring.models import build_tiny_random, check_scorer
+from scoring.models import build_tiny_random
+from scoring.reference import verify_scorer
 
 
 def test_tiny_random_is_deterministic_and_tokenizes_text(tmp_path):
@@ -50,7 +51,21 @@ def test_cuda_without_a_gpu_is_refused(tmp_path):
         load_scorer(ScoringConfig(model="tiny-random", device="cuda"), tmp_path)
 
 
-def test_a_model_that_soft_caps_its_logits_is_refused():
+FULL = {"layer_types": ["full_attention"]}
+
+
+@pytest.mark.parametrize(
+    ("attention", "message"),
+    [
+        (FULL | {"final_logit_softcapping": 0.5, "attn_logit_softcapping": None}, "disagrees with the model's own"),
+        (FULL | {"final_logit_softcapping": None, "attn_logit_softcapping": 5.0}, "does not implement softcap"),
+        (
+            {"layer_types": ["sliding_attention"], "final_logit_softcapping": None, "attn_logit_softcapping": None},
+            "does not implement sliding_window",
+        ),
+    ],
+)
+def test_models_the_kernel_cannot_reproduce_are_refused(attention, message):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     config = Gemma2Config(
@@ -61,12 +76,12 @@ def test_a_model_that_soft_caps_its_logits_is_refused():
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        final_logit_softcapping=0.5,
         attn_implementation="eager",
+        **attention,
     )
     model = Gemma2ForCausalLM(config).eval()
-    with pytest.raises(ModelLoadError, match="changes its logits after the output projection"):
-        check_scorer(Scorer(name="gemma2", model=model, tokenizer=None))
+    with pytest.raises(ModelLoadError, match=message):
+        verify_scorer(Scorer(name="gemma2", model=model, tokenizer=None))
 
 
 @pytest.mark.parametrize(
