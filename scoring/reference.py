@@ -77,7 +77,7 @@ def verify_scorer(scorer: Scorer) -> None:
     except ValueError as e:
         raise ModelLoadError(f"{scorer.name}: {e}") from e
     naive = score_batch_naive(scorer, batch)
-    tolerance = 1e-3 if scorer.dtype in (torch.float32, torch.float64) else 0.25
+    tolerance = 1e-3
     difference = float(np.abs(fast.L_seq - naive.L_seq).max())
     if not difference <= tolerance:
         raise ModelLoadError(

@@ -4,6 +4,10 @@
     collapse-monitor filter  --input FILE        SNR-aware filter advice (RAGEN's rollout filter)
     collapse-monitor score   --model M --input FILE.jsonl
                                                  score a dumped batch: metrics, breakdown and L
+    collapse-monitor serve   [--host H] [--port P] [--database-url URL] [--scorer NAME_OR_PATH]
+                                                 the HTTP service (with an embedded worker)
+    collapse-monitor worker  [--database-url URL]
+                                                 a scoring worker process sharing the database
 
 FILE may be ``-`` for stdin. Results go to stdout as one JSON document. Bad input exits with
 code 2 and one line on stderr naming the field and what was wrong; never a traceback.
@@ -46,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(json.dumps(result))
+    if result is not None:
+        print(json.dumps(result))
     return 0
 
 
@@ -71,7 +76,90 @@ def _build_parser() -> _Parser:
     score.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of every forward")
     score.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="converted GGUF models")
     score.set_defaults(command=_run_score)
+
+    serve = commands.add_parser("serve", help="run the HTTP service (settings also from COLLAPSE_MONITOR_* and .env)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    _service_flags(serve)
+    serve.add_argument("--no-worker", action="store_true", help="do not score in this process")
+    serve.set_defaults(command=_run_serve)
+
+    worker = commands.add_parser("worker", help="run a scoring worker against the shared database")
+    _service_flags(worker)
+    worker.set_defaults(command=_run_worker)
     return parser
+
+
+def _service_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite in the data folder)")
+    parser.add_argument(
+        "--scorer",
+        help="default scorer: a named scorer, a built-in model, a model folder or a .gguf file (default smollm2-135m)",
+    )
+    parser.add_argument("--data-dir", type=Path, help="folder of the embedded SQLite database (default ./data)")
+
+
+def service_settings(args: argparse.Namespace) -> Any:
+    """Settings from the environment and .env, with the flags given on the command line on top."""
+    from service.settings import Settings
+
+    overrides: dict[str, Any] = {}
+    for flag in ("host", "port", "database_url", "data_dir"):
+        if getattr(args, flag, None) is not None:
+            overrides[flag] = getattr(args, flag)
+    if getattr(args, "no_worker", False):
+        overrides["embedded_worker"] = False
+    try:
+        settings = Settings(**overrides)
+        if args.scorer is not None:
+            scorers = dict(settings.scorers)
+            scorers.setdefault(args.scorer, args.scorer)
+            settings = Settings(**overrides, scorers=scorers, default_scorer=args.scorer)
+    except ValidationError as e:
+        raise UsageError(f"settings: {format_validation_error(e)}") from e
+    return settings
+
+
+def _run_serve(args: argparse.Namespace) -> Any:
+    import uvicorn
+
+    from service.app import create_app
+
+    settings = service_settings(args)
+    _configure_logging()
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
+    return None
+
+
+def _run_worker(args: argparse.Namespace) -> Any:
+    import signal
+    import threading
+
+    from service.scorers import ScorerPool
+    from service.storage.database import make_engine, make_sessions, migrate
+    from service.worker import Worker
+
+    settings = service_settings(args)
+    if settings.is_sqlite:
+        raise UsageError(
+            "--database-url: a separate worker needs Postgres; with SQLite the server's embedded worker scores"
+        )
+    _configure_logging()
+    if settings.auto_migrate:
+        migrate(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    Worker(make_sessions(engine), settings, ScorerPool(settings)).run(stop)
+    engine.dispose()
+    return None
+
+
+def _configure_logging() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def _read(path: str) -> str:

@@ -155,3 +155,121 @@ class ScoreRowIn(TurnIn):
     """One line of the ``collapse-monitor score`` JSONL input."""
 
     group_id: int
+
+
+RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="Unique run name.")]
+
+
+class RunMetadata(_Strict):
+    model: str | None = Field(None, max_length=200, description="Policy model being trained.")
+    algorithm: str | None = Field(None, max_length=100, description="e.g. PPO, GRPO.")
+    environment: str | None = Field(None, max_length=200, description="e.g. Sokoban, FrozenLake.")
+    tags: list[Annotated[str, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
+
+
+class Schedule(_Strict):
+    every: int = Field(
+        1, ge=1, description="Score every N-th step (RAGEN's compute_freq): step 1 and multiples of N; 1 = every batch."
+    )
+
+
+SamplerName = Literal["first_turn", "trajectory"]
+
+
+def _both_samplers() -> list[SamplerName]:
+    return ["first_turn", "trajectory"]
+
+
+class SamplerSettings(_Strict):
+    samplers: list[SamplerName] = Field(
+        default_factory=_both_samplers, min_length=1, description="RAGEN's two samplers."
+    )
+    num_samples: int | None = Field(64, ge=2, description="Rows drawn per sampler; null = all usable rows.")
+    seed: int = Field(0, ge=0, description="Draws at step s use RandomState([seed, s, sampler index]).")
+
+
+class FilterSettings(_Strict):
+    """The SNR filter whose advice (what it would keep) is reported for every batch."""
+
+    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = "top_p"
+    value: float = Field(0.9, ge=0)
+    filter_type: Literal["largest", "smallest"] = "largest"
+    include_zero: bool = True
+    top_p_prob_mode: Literal["linear", "softmax"] = "linear"
+    selection_eps: float = Field(0.01, ge=0)
+    metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = "reward_variance"
+
+    def filter_config(self) -> FilterConfig:
+        return FilterConfig(**self.model_dump())
+
+
+class RunCreate(_Strict):
+    name: RunName
+    project: str | None = Field(None, max_length=200)
+    metadata: RunMetadata = Field(default_factory=RunMetadata)
+    scorer: str | None = Field(None, description="A scorer named in the server's settings; default: the server's.")
+    scorer_mode: Literal["reference", "policy"] = Field(
+        "reference",
+        description="reference: one fixed scorer for the whole run (a stable yardstick); policy: the latest "
+        "checkpoint the trainer announced.",
+    )
+    schedule: Schedule = Field(default_factory=Schedule)
+    sampler: SamplerSettings = Field(default_factory=SamplerSettings)
+    temperature: float = Field(1.0, gt=0, description="Scoring temperature; RAGEN scores at the rollout temperature.")
+    filter: FilterSettings = Field(default_factory=FilterSettings)
+
+
+class RunResponse(RunCreate):
+    scorer: str
+    id: int
+    created_at: str
+    last_step: int | None = None
+    batches: dict[str, int] = Field(default_factory=dict, description="Batches per status.")
+
+
+class TurnWithEntropy(TurnIn):
+    token_entropies: list[FiniteFloat] | None = Field(
+        None, description="Per-token entropies the trainer already computed for this turn's response (nats)."
+    )
+
+
+class TrajectoryIn(_Strict):
+    group_id: int = Field(description="The prompt group: rollouts of the same prompt share it.")
+    reward: FiniteFloat = Field(description="The trajectory's total reward.")
+    turns: list[TurnWithEntropy] = Field(min_length=1, description="Turns in order; one for single-turn trainers.")
+
+
+class BatchIn(_Strict):
+    step: int = Field(ge=0, description="Training step.")
+    batch_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="Idempotency key: a replay with the same content is answered "
+        "as the first time; different content under the same key is refused (409).",
+    )
+    trajectories: list[TrajectoryIn] = Field(min_length=1)
+
+
+class BatchAccepted(_Strict):
+    batch_id: str
+    status: str
+    status_url: str
+    replayed: bool = Field(False, description="True when this answers an identical replay of an earlier request.")
+
+
+class MatrixBatchIn(MatrixInput):
+    step: int = Field(ge=0)
+    batch_id: str | None = Field(None, min_length=1, max_length=200)
+    sampler: str = Field("matrix", pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Series name of these metrics.")
+
+
+class CheckpointIn(_Strict):
+    path: str = Field(min_length=1, max_length=4096, description="Folder under the server's checkpoint root.")
+    kind: Literal["full", "lora"] = Field("full", description="full weights, or a LoRA adapter on the run's scorer.")
+    step: int | None = Field(None, ge=0, description="Training step the checkpoint was saved at.")
+
+
+class CheckpointResponse(CheckpointIn):
+    id: int
+    created_at: str

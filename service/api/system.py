@@ -1,0 +1,58 @@
+"""Health, readiness, Prometheus exposition, and the synchronous SNR filter advice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from scoring.snr_filter import filter_groups
+from service.api.deps import State
+from service.schemas import FilterRequest, FilterResponse
+
+router = APIRouter()
+
+
+@router.get("/healthz", tags=["system"])
+def healthz() -> dict[str, str]:
+    """The process answers."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["system"], responses={503: {"description": "Not ready; the body says what is missing"}})
+def readyz(state: State) -> JSONResponse:
+    """Ready when the database answers and, with an embedded worker, the default scorer is loaded."""
+    checks: dict[str, Any] = {}
+    try:
+        with state.engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        checks["database"] = "ok"
+    except Exception as e:
+        checks["database"] = f"unreachable: {type(e).__name__}"
+    if not state.settings.embedded_worker or state.settings.scoring_paused:
+        checks["scorer"] = "not loaded in this process (no embedded worker)"
+        scorer_ok = True
+    elif state.scorer_ready.is_set():
+        checks["scorer"] = "loaded"
+        scorer_ok = True
+    else:
+        checks["scorer"] = f"failed: {state.scorer_error}" if state.scorer_error else "loading"
+        scorer_ok = False
+    ready = checks["database"] == "ok" and scorer_ok
+    return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
+
+
+@router.get("/metrics", tags=["system"], response_class=Response)
+def metrics(state: State) -> Response:
+    """Prometheus exposition: per-run diagnostics and service metrics."""
+    return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/filter", tags=["filter"])
+def snr_filter(body: FilterRequest) -> FilterResponse:
+    """Which prompt groups RAGEN's SNR-aware filter keeps, and its rollout/... metrics."""
+    result = filter_groups(body.rewards, body.filter_config())
+    return FilterResponse(**vars(result))

@@ -1,0 +1,205 @@
+"""create_app(settings): the composition root. Everything is built in the lifespan, nothing at import."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import MonitorError, Unavailable
+from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.scorers import ScorerPool
+from service.settings import Settings
+from service.storage import queries
+from service.storage.database import make_engine, make_sessions, migrate
+from service.worker import Worker, start_in_thread
+
+log = logging.getLogger("collapse_monitor")
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    registry: CollectorRegistry
+    metrics: ServiceMetrics
+    pool: ScorerPool
+    scorer_ready: threading.Event = field(default_factory=threading.Event)
+    scorer_error: str | None = None
+
+
+def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
+    with sessions() as session:
+        return MetricsSnapshot(
+            latest=list(queries.latest_values(session)),
+            batches=queries.batch_counts(session),
+            scoring=queries.scoring_stats(session),
+            buckets=queries.SCORING_SECONDS_BUCKETS,
+        )
+
+
+def create_app(settings: Settings) -> FastAPI:
+    from service.api import batches, runs, system
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = settings.resolved_database_url
+        if settings.auto_migrate:
+            migrate(url)
+        engine = make_engine(url)
+        sessions = make_sessions(engine)
+        registry = CollectorRegistry()
+        state = AppState(
+            settings=settings,
+            engine=engine,
+            sessions=sessions,
+            registry=registry,
+            metrics=ServiceMetrics(registry),
+            pool=ScorerPool(settings),
+        )
+        registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions)))
+        app.state.monitor = state
+        stop = None
+        if settings.embedded_worker and not settings.scoring_paused:
+            threading.Thread(target=_preload, args=(state,), name="scorer-preload", daemon=True).start()
+            thread, stop = start_in_thread(Worker(sessions, settings, state.pool))
+        try:
+            yield
+        finally:
+            if stop is not None:
+                stop.set()
+                thread.join(timeout=60)
+            engine.dispose()
+
+    app = FastAPI(
+        title="collapse-monitor",
+        version="0.1.0",
+        description="Template-collapse diagnostics (RAGEN-2) for agentic RL training runs.",
+        lifespan=lifespan,
+    )
+    app.include_router(runs.router)
+    app.include_router(batches.router)
+    app.include_router(system.router)
+    app.add_exception_handler(MonitorError, _monitor_error)  # type: ignore[arg-type]  # Starlette's handler type is loose
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]  # as above
+    app.add_exception_handler(BodyTooLarge, _body_too_large)  # type: ignore[arg-type]  # as above
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
+        response = await call_next(request)
+        route = request.scope.get("route")
+        template = getattr(route, "path", "unmatched")
+        state: AppState | None = getattr(request.app.state, "monitor", None)
+        if state is not None:
+            state.metrics.requests.labels(request.method, template, str(response.status_code)).inc()
+        return response
+
+    return app
+
+
+def _preload(state: AppState) -> None:
+    """Loads the default scorer before the first batch arrives; /readyz reports it."""
+    try:
+        state.pool.get(state.settings.default_scorer)
+    except Exception as e:  # reported by /readyz rather than crashing the server
+        log.exception("loading the default scorer failed")
+        state.scorer_error = f"{type(e).__name__}: {e}"
+    else:
+        state.scorer_ready.set()
+
+
+def field_path(loc: Any) -> str:
+    """('body', 'trajectories', 3, 'turns', 0, 'reasoning') -> 'trajectories[3].turns[0].reasoning'."""
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:
+    request.app.state.monitor.metrics.rejections.labels(error.code).inc()
+    headers = {"Retry-After": str(error.retry_after)} if isinstance(error, Unavailable) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    request.app.state.monitor.metrics.rejections.labels("validation").inc()
+    detail = [
+        {"loc": list(e["loc"]), "field": field_path(e["loc"]), "msg": e["msg"], "type": e["type"]}
+        for e in error.errors()
+    ]
+    return JSONResponse({"error": "validation", "detail": detail}, status_code=422)
+
+
+class _BodyLimit:
+    """Refuses bodies over the limit with 413 before they are read whole, declared length or not."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, send, int(declared))
+            return
+        seen = 0
+
+        async def counted() -> MutableMapping[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge(self.limit, seen)
+            return message
+
+        await self.app(scope, counted, send)
+
+    async def _refuse(self, scope: Scope, send: Send, size: int) -> None:
+        app = scope.get("app")
+        state = getattr(getattr(app, "state", None), "monitor", None)
+        if state is not None:
+            state.metrics.rejections.labels("body_too_large").inc()
+        body = JSONResponse(
+            {
+                "error": "too_large",
+                "detail": f"request bodies may hold at most {self.limit} bytes, got {size}",
+                "field": None,
+                "index": None,
+            },
+            status_code=413,
+        )
+        await body(scope, _drain, send)
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while a body without a declared length is read, once it passes the limit."""
+
+    def __init__(self, limit: int, size: int) -> None:
+        super().__init__(
+            status_code=413, detail=f"request bodies may hold at most {limit} bytes, got more than {size - 1}"
+        )
+
+
+async def _body_too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
+    request.app.state.monitor.metrics.rejections.labels("body_too_large").inc()
+    return JSONResponse({"error": "too_large", "detail": error.detail, "field": None, "index": None}, status_code=413)
+
+
+async def _drain() -> MutableMapping[str, Any]:
+    return {"type": "http.disconnect"}

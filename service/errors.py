@@ -1,0 +1,69 @@
+"""The service's exceptions and the one place they become HTTP responses.
+
+    MonitorError                 every error the service raises on purpose
+    ├── ClientError              the request is at fault (4xx); counted by reason
+    │   ├── InvalidRequest       400  well-formed but inconsistent (shapes, unknown scorer, paths)
+    │   ├── NotFound             404  unknown run or batch
+    │   ├── Conflict             409  a batch_id replayed with different content
+    │   │   └── RunConflict      409  a run name re-created with different settings
+    │   └── TooLarge             413  body or batch over the configured limits
+    └── Unavailable              503  the queue is full; retry after ``retry_after`` seconds
+
+Every error renders as ``{"error": code, "detail": what must hold and what was sent,
+"field": where, "index": which item}``. Must not import fastapi outside ``handlers``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class MonitorError(Exception):
+    detail: str
+    field: str | None = None
+    index: int | None = None
+    status = 500
+    code = "internal_error"
+
+    def __str__(self) -> str:
+        return self.detail
+
+    def body(self) -> dict[str, object]:
+        return {"error": self.code, "detail": self.detail, "field": self.field, "index": self.index}
+
+
+class ClientError(MonitorError):
+    status = 400
+    code = "invalid_request"
+
+
+class InvalidRequest(ClientError):
+    status = 400
+    code = "invalid_request"
+
+
+class NotFound(ClientError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(ClientError):
+    status = 409
+    code = "batch_id_conflict"
+
+
+class RunConflict(Conflict):
+    code = "run_conflict"
+
+
+class TooLarge(ClientError):
+    status = 413
+    code = "too_large"
+
+
+@dataclass
+class Unavailable(MonitorError):
+    retry_after: int = 5
+    status = 503
+    code = "queue_full"

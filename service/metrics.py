@@ -1,0 +1,169 @@
+"""Prometheus metrics on an explicit registry: service counters, and the diagnostics as gauges.
+
+Diagnostics come from the latest-value table through ``DiagnosticsCollector``, which is handed a
+function that reads a ``MetricsSnapshot``; this module never touches the database itself, so any
+number of API and worker processes expose the same figures without multiprocess mode.
+``EXPORTED`` is the catalogue of exported diagnostics (``docs/metrics.md`` is generated from it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+NAMESPACE = "collapse_monitor"
+log = logging.getLogger("collapse_monitor.metrics")
+
+
+@dataclass(frozen=True)
+class Exported:
+    stored: str  # metric name as stored (RAGEN's where it has one)
+    name: str  # Prometheus name without the namespace
+    help: str
+
+
+EXPORTED = (
+    Exported("mi_estimate", "mi_estimate_nats", "Per-token mutual information estimate I(X;Z) (RAGEN mi_estimate)."),
+    Exported(
+        "mi_estimate_ci_low", "mi_estimate_ci_low_nats", "Lower bound of the 95% bootstrap interval of mi_estimate."
+    ),
+    Exported(
+        "mi_estimate_ci_high", "mi_estimate_ci_high_nats", "Upper bound of the 95% bootstrap interval of mi_estimate."
+    ),
+    Exported("mi_seq_estimate", "mi_seq_estimate_nats", "Per-sequence mutual information estimate."),
+    Exported("mi_upper_bound", "mi_upper_bound_nats", "ln N, the ceiling of the MI estimate for N scored prompts."),
+    Exported("mi_zscore", "mi_zscore", "MI z-score: mean (matched - marginal) / (marginal std + eps)."),
+    Exported("mi_zscore_ema", "mi_zscore_ema", "MI z-score normalized by the EMA of the marginal std."),
+    Exported("marginal_std_ema", "marginal_std_ema_nats", "EMA of the std of the marginal log-probabilities."),
+    Exported("conditional_entropy_est", "conditional_entropy_nats", "Per-token H(Z|X): within-input diversity."),
+    Exported("reasoning_entropy_est", "reasoning_entropy_nats", "Per-token H(Z): reasoning diversity across inputs."),
+    Exported("conditional_entropy_seq_est", "conditional_entropy_seq_nats", "Per-sequence H(Z|X)."),
+    Exported("reasoning_entropy_seq_est", "reasoning_entropy_seq_nats", "Per-sequence H(Z)."),
+    Exported(
+        "retrieval_accuracy", "retrieval_accuracy_ratio", "Share of reasoning rows whose own prompt scores highest."
+    ),
+    Exported("retrieval_chance_level", "retrieval_chance_ratio", "Retrieval accuracy expected by chance."),
+    Exported("retrieval_above_chance", "retrieval_above_chance_ratio", "Retrieval accuracy minus chance."),
+    Exported("token_entropy_mean", "token_entropy_nats", "Mean next-token entropy over matched reasoning tokens."),
+    Exported("rows", "scored_rows", "Reasoning rows scored at the last scored step."),
+    Exported("columns", "scored_columns", "Prompts (columns) scored at the last scored step."),
+    Exported("rollout/in_group_reward_std", "reward_std", "Mean over prompt groups of the in-group reward std (n-1)."),
+    Exported("reward_mean", "reward_mean", "Mean trajectory reward."),
+    Exported(
+        "zero_variance_group_ratio", "zero_variance_groups_ratio", "Share of prompt groups whose rewards do not vary."
+    ),
+    Exported("rollout/filter_zero_count", "filter_zero_groups", "Groups scoring 0 under the SNR filter's metric."),
+    Exported(
+        "rollout/filter_kept_ratio", "filter_kept_ratio", "Share of groups the run's SNR-aware filter would keep."
+    ),
+    Exported("valid_thinking_rate", "valid_thinking_ratio", "Share of turns carrying non-empty reasoning."),
+    Exported(
+        "trainer_token_entropy_mean", "trainer_token_entropy_nats", "Mean of the token entropies the trainer sent."
+    ),
+)
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What the collector exports, read from the database at scrape time."""
+
+    latest: list[tuple[str, str, str, float, int]]  # run, sampler, name, value, step
+    batches: dict[str, int]  # status -> count
+    scoring: dict[str, Any]  # queries.scoring_stats()
+    buckets: tuple[float, ...] = field(default=())
+
+
+class ServiceMetrics:
+    """The in-process counters of one API process."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "requests",
+            "HTTP requests answered, by method, route template and status code.",
+            ["method", "route", "status"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "rejections",
+            "Requests refused, by reason (validation, invalid_request, not_found, too_large, queue_full, ...).",
+            ["reason"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+
+
+class DiagnosticsCollector(Collector):
+    def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
+        self.read = read
+
+    def describe(self) -> list[Metric]:
+        return []  # collected on demand; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(f"{NAMESPACE}_database_up", "1 when the last scrape could read the database.")
+        try:
+            snapshot = self.read()
+        except Exception:
+            log.exception("reading metrics from the database failed")
+            up.add_metric([], 0.0)
+            yield up
+            return
+        up.add_metric([], 1.0)
+        yield up
+        yield from _diagnostics(snapshot)
+        yield from _service(snapshot)
+
+
+def _diagnostics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
+    by_name: dict[str, list[tuple[str, str, float]]] = {}
+    last_step: dict[str, int] = {}
+    for run, sampler, name, value, step in snapshot.latest:
+        by_name.setdefault(name, []).append((run, sampler, value))
+        last_step[run] = max(step, last_step.get(run, step))
+    for exported in EXPORTED:
+        family = GaugeMetricFamily(f"{NAMESPACE}_{exported.name}", exported.help, labels=["run", "sampler"])
+        for run, sampler, value in by_name.get(exported.stored, []):
+            family.add_metric([run, sampler], value)
+        yield family
+    newest = GaugeMetricFamily(f"{NAMESPACE}_last_step", "Newest training step with stored figures.", labels=["run"])
+    for run, value in sorted(last_step.items()):
+        newest.add_metric([run], float(value))
+    yield newest
+
+
+def _service(snapshot: MetricsSnapshot) -> Iterator[Metric]:
+    queue = GaugeMetricFamily(f"{NAMESPACE}_queue_depth", "Batches accepted and waiting to be scored.")
+    queue.add_metric([], float(snapshot.batches.get("queued", 0)))
+    yield queue
+    scoring_now = GaugeMetricFamily(f"{NAMESPACE}_batches_in_progress", "Batches being scored right now.")
+    scoring_now.add_metric([], float(snapshot.batches.get("scoring", 0)))
+    yield scoring_now
+    finished = CounterMetricFamily(
+        f"{NAMESPACE}_batches_scored", "Batches whose scoring finished, by outcome (done, failed).", labels=["status"]
+    )
+    for status in ("done", "failed"):
+        finished.add_metric([status], float(snapshot.batches.get(status, 0)))
+    yield finished
+    stats = snapshot.scoring
+    histogram = HistogramMetricFamily(
+        f"{NAMESPACE}_scoring_duration_seconds", "Wall time to score one batch (all its samplers)."
+    )
+    cumulative = [(str(bound), float(n)) for bound, n in zip(snapshot.buckets, stats["buckets"], strict=True)]
+    histogram.add_metric([], [*cumulative, ("+Inf", float(stats["count"]))], sum_value=stats["sum_seconds"])
+    yield histogram
+    tokens = CounterMetricFamily(f"{NAMESPACE}_scored_tokens", "Tokens run through scorer models.")
+    tokens.add_metric([], float(stats["tokens"]))
+    yield tokens
+    speed = GaugeMetricFamily(
+        f"{NAMESPACE}_scorer_tokens_per_second", "Scorer throughput over the last 20 scored batches."
+    )
+    if stats["recent_tokens_per_second"] is not None:
+        speed.add_metric([], float(stats["recent_tokens_per_second"]))
+    yield speed

@@ -1,0 +1,84 @@
+"""ScorerPool: loads the models that score batches, keeps the most recently used ones in memory.
+
+A scorer is always chosen on the server: a name from ``Settings.scorers``, or a checkpoint a
+trainer announced under ``Settings.checkpoint_root`` (full weights, or a LoRA adapter applied to
+the run's named scorer). Clients never send a model path that gets loaded unchecked.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+from scoring import Scorer, load_scorer
+from service.errors import InvalidRequest
+from service.settings import Settings
+
+
+def resolve_checkpoint(settings: Settings, path: str, kind: str) -> Path:
+    """The checkpoint folder ``path`` names, if it lies under the allow-listed root and looks right."""
+    if settings.checkpoint_root is None:
+        raise InvalidRequest(
+            "checkpoints are disabled on this server: set checkpoint_root (COLLAPSE_MONITOR_CHECKPOINT_ROOT)",
+            field="path",
+        )
+    root = settings.checkpoint_root.resolve()
+    folder = (root / path).resolve()
+    if not folder.is_relative_to(root):
+        raise InvalidRequest(f"path must lie under the checkpoint root {str(root)!r}, got {path!r}", field="path")
+    marker = "adapter_config.json" if kind == "lora" else "config.json"
+    if not (folder / marker).is_file():
+        raise InvalidRequest(
+            f"a {kind} checkpoint folder must contain {marker}; {str(folder)!r} does not", field="path"
+        )
+    return folder
+
+
+class ScorerPool:
+    """Thread-safe LRU of loaded scorers keyed by (scorer name, temperature-free checkpoint)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._loaded: OrderedDict[tuple[str, str | None], Scorer] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, name: str, checkpoint: Path | None = None, kind: str = "full") -> Scorer:
+        key = (name, f"{kind}:{checkpoint}" if checkpoint else None)
+        with self._lock:
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+                return self._loaded[key]
+            scorer = self._load(name, checkpoint, kind)
+            self._loaded[key] = scorer
+            while len(self._loaded) > self.settings.max_loaded_scorers:
+                self._loaded.popitem(last=False)
+            return scorer
+
+    def loaded(self) -> list[str]:
+        with self._lock:
+            return [name if ckpt is None else f"{name}@{ckpt}" for name, ckpt in self._loaded]
+
+    def _load(self, name: str, checkpoint: Path | None, kind: str) -> Scorer:
+        if name not in self.settings.scorers:
+            raise InvalidRequest(f"scorer must be one of {', '.join(self.settings.scorers)}, got {name!r}")
+        base_model = self.settings.scorers[name]
+        if checkpoint is None:
+            return load_scorer(self.settings.scoring_config(base_model), self.settings.cache_dir)
+        if kind == "full":
+            scorer = load_scorer(self.settings.scoring_config(str(checkpoint)), self.settings.cache_dir)
+            if scorer.tokenizer is None:  # pragma: no cover - folders always carry a tokenizer here
+                scorer.tokenizer = load_scorer(
+                    self.settings.scoring_config(base_model), self.settings.cache_dir
+                ).tokenizer
+            return scorer
+        return _with_lora(load_scorer(self.settings.scoring_config(base_model), self.settings.cache_dir), checkpoint)
+
+
+def _with_lora(base: Scorer, adapter: Path) -> Scorer:
+    """The base scorer with a LoRA adapter merged into a fresh copy of its weights."""
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(base.model, str(adapter)).merge_and_unload()
+    merged.eval()
+    return Scorer(name=f"{base.name}+lora:{adapter.name}", model=merged, tokenizer=base.tokenizer)

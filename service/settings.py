@@ -1,0 +1,95 @@
+"""Settings: the one place the environment (prefix ``COLLAPSE_MONITOR_``) and ``.env`` are read.
+
+Every ``collapse-monitor serve`` / ``worker`` flag maps to a field here; ``create_app(settings)``
+and the worker take a built ``Settings`` and never read the environment themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from scoring.config import ScoringConfig
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="COLLAPSE_MONITOR_", env_file=".env", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the HTTP server binds.")
+    data_dir: Path = Field(Path("data"), description="Folder of the embedded SQLite database.")
+    database_url: str = Field(
+        "",
+        description="SQLAlchemy URL; empty means SQLite at <data_dir>/collapse-monitor.db. "
+        "Production: postgresql+psycopg://user@host/db.",
+    )
+    auto_migrate: bool = Field(True, description="Apply database migrations at startup.")
+
+    default_scorer: str = Field("smollm2-135m", description="Scorer of runs that name none.")
+    scorers: dict[str, str] = Field(
+        default_factory=lambda: {"smollm2-135m": "smollm2-135m", "tiny-random": "tiny-random"},
+        description="Named scorers: name -> built-in model, local model folder or .gguf file. Clients pick "
+        "a name, never a path.",
+    )
+    checkpoint_root: Path | None = Field(
+        None, description="Policy checkpoints announced by trainers must lie under this folder; none when unset."
+    )
+    cache_dir: Path = Field(
+        Path("~/.cache/collapse-monitor").expanduser(), description="Converted GGUF models are cached here."
+    )
+    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Scorer precision.")
+    max_batch_tokens: int = Field(16384, ge=1, description="Token budget of every scoring forward.")
+    max_loaded_scorers: int = Field(2, ge=1, description="Scorers (base models and checkpoints) kept in memory.")
+
+    embedded_worker: bool = Field(True, description="Score batches in a thread of the server process.")
+    worker_poll_seconds: float = Field(0.5, gt=0, description="Idle wait between queue polls.")
+    lease_seconds: float = Field(
+        60.0, gt=0, description="A claimed batch whose worker stops renewing this lease is scored again."
+    )
+    max_attempts: int = Field(3, ge=1, description="Interrupted scorings of a batch before it is marked failed.")
+    scoring_paused: bool = Field(False, description="Accept batches but score none (maintenance, benchmarks).")
+
+    max_queue_depth: int = Field(1000, ge=1, description="Queued batches beyond which ingest answers 503.")
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")
+    max_turns: int = Field(256, ge=1, description="Turns per trajectory.")
+    max_text_chars: int = Field(400_000, ge=1, description="Characters per prompt or response text.")
+    max_token_ids: int = Field(65536, ge=1, description="Token ids per prompt or reasoning.")
+    max_matrix_cells: int = Field(4_000_000, ge=1, description="R x N cells of an uploaded matrix.")
+
+    @field_validator("scorers")
+    @classmethod
+    def _some_scorer(cls, value: dict[str, str]) -> dict[str, str]:
+        if not value:
+            raise ValueError("at least one named scorer is needed")
+        return value
+
+    @model_validator(mode="after")
+    def _default_scorer_is_named(self) -> Settings:
+        if self.default_scorer not in self.scorers:
+            raise ValueError(
+                f"default_scorer {self.default_scorer!r} must be one of the named scorers: {', '.join(self.scorers)}"
+            )
+        return self
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'collapse-monitor.db').resolve()}"
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.resolved_database_url.startswith("sqlite")
+
+    def scoring_config(self, model: str, temperature: float = 1.0) -> ScoringConfig:
+        """The ScoringConfig of one scorer: the only place settings become scoring settings."""
+        return ScoringConfig(
+            model=model,
+            device=self.device,
+            dtype=self.dtype,
+            temperature=temperature,
+            max_batch_tokens=self.max_batch_tokens,
+        )

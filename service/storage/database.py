@@ -1,0 +1,71 @@
+"""Engines, sessions and migrations for SQLite (embedded default) and Postgres (production)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    # WAL lets the API read while the worker writes; foreign keys are off by default in SQLite.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+def make_sessions(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return config
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Brings the database at ``url`` to ``revision`` (upgrade or downgrade)."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+
+    config = alembic_config(url)
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            current = MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
+    if revision == "base" or (current is not None and _is_ahead(config, current, revision)):
+        command.downgrade(config, revision)
+    else:
+        command.upgrade(config, revision)
+
+
+def _is_ahead(config: Any, current: str, target: str) -> bool:
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(config)
+    if target == "head":
+        return False
+    return target in {rev.revision for rev in script.iterate_revisions(current, "base")} and target != current

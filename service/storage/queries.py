@@ -1,0 +1,282 @@
+"""Queries: plain functions of a Session. Callers own the transaction (``with session.begin():``).
+
+Must not import fastapi.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import and_, case, exists, func, insert, or_, select, update
+from sqlalchemy.orm import Session
+
+from scoring.estimators import EmaState
+from service.storage.tables import Batch, Checkpoint, EmaRecord, LatestMetric, MetricPoint, Run, utcnow
+
+SCORING_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if moment is None:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class Point:
+    sampler: str
+    name: str
+    value: float
+
+
+# Runs -----------------------------------------------------------------------------------------
+
+
+def run_by_name(session: Session, name: str) -> Run | None:
+    return session.scalar(select(Run).where(Run.name == name))
+
+
+def list_runs(session: Session) -> Sequence[Run]:
+    return session.scalars(select(Run).order_by(Run.id)).all()
+
+
+def batch_counts(session: Session, run_id: int | None = None) -> dict[str, int]:
+    query = select(Batch.status, func.count()).group_by(Batch.status)
+    if run_id is not None:
+        query = query.where(Batch.run_id == run_id)
+    return {status: int(n) for status, n in session.execute(query).all()}
+
+
+def last_step(session: Session, run_id: int) -> int | None:
+    return session.scalar(select(func.max(LatestMetric.step)).where(LatestMetric.run_id == run_id))
+
+
+def latest_checkpoint(session: Session, run_id: int) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.id.desc()).limit(1))
+
+
+# Batches --------------------------------------------------------------------------------------
+
+
+def batch_by_client_id(session: Session, run_id: int, client_batch_id: str) -> Batch | None:
+    return session.scalar(select(Batch).where(Batch.run_id == run_id, Batch.client_batch_id == client_batch_id))
+
+
+def queue_depth(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Batch).where(Batch.status == "queued")) or 0)
+
+
+def _claimable(now: datetime) -> Any:
+    # Queued, or claimed by a worker whose lease ran out (it crashed or was killed).
+    return or_(Batch.status == "queued", and_(Batch.status == "scoring", Batch.lease_expires_at <= now))
+
+
+def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
+    """Claims the next batch to score, one batch per run at a time, oldest run first.
+
+    Within a run batches are scored in step order, so the EMA of each (run, sampler) advances in
+    order. On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim
+    different runs without waiting on each other; a batch whose lease expired is claimed again.
+    A batch interrupted ``max_attempts`` times is marked failed instead of looping forever.
+    """
+    while True:
+        now = utcnow()
+        claimable = _claimable(now)
+        busy = exists().where(Batch.run_id == Run.id, Batch.status == "scoring", Batch.lease_expires_at > now)
+        oldest = select(func.min(Batch.created_at)).where(Batch.run_id == Run.id, claimable).scalar_subquery()
+        runs = select(Run.id).where(exists().where(Batch.run_id == Run.id, claimable), ~busy).order_by(oldest).limit(1)
+        if session.get_bind().dialect.name == "postgresql":
+            runs = runs.with_for_update(of=Run, skip_locked=True)
+        run_id = session.scalar(runs)
+        if run_id is None:
+            return None
+        batch = session.scalar(
+            select(Batch).where(Batch.run_id == run_id, claimable).order_by(Batch.step, Batch.created_at).limit(1)
+        )
+        if batch is None:  # pragma: no cover - the run was selected because it has one
+            return None
+        batch.attempts += 1
+        if batch.attempts > max_attempts:
+            batch.status, batch.finished_at = "failed", now
+            batch.error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
+            batch.lease_owner = batch.lease_expires_at = None
+            session.flush()
+            continue
+        batch.status, batch.lease_owner = "scoring", owner
+        batch.lease_expires_at = now + timedelta(seconds=lease_seconds)
+        batch.started_at = now
+        session.flush()
+        return batch
+
+
+def renew_lease(session: Session, batch_id: str, owner: str, lease_seconds: float) -> bool:
+    result = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.lease_owner == owner, Batch.status == "scoring")
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+    )
+    return bool(result.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
+
+
+def finish_batch(
+    session: Session,
+    batch_id: str,
+    owner: str | None,
+    *,
+    status: str,
+    error: str | None = None,
+    result: dict[str, Any] | None = None,
+    scoring_seconds: float | None = None,
+    tokens_scored: int | None = None,
+    scorer: str | None = None,
+    checkpoint: str | None = None,
+) -> bool:
+    """Marks a batch done or failed, but only if ``owner`` still holds it (None: not leased).
+
+    False means another worker took the batch over; the caller must roll back.
+    """
+    holder = Batch.lease_owner == owner if owner is not None else Batch.lease_owner.is_(None)
+    changed = session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, holder)
+        .values(
+            status=status,
+            error=error,
+            result=result,
+            scoring_seconds=scoring_seconds,
+            tokens_scored=tokens_scored,
+            scorer=scorer,
+            checkpoint=checkpoint,
+            finished_at=utcnow(),
+            lease_owner=None,
+            lease_expires_at=None,
+        )
+    )
+    return bool(changed.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
+
+
+def record_points(
+    session: Session,
+    run_id: int,
+    batch_id: str,
+    step: int,
+    points: Iterable[Point],
+    scorer: str | None,
+    checkpoint: str | None,
+) -> int:
+    """Writes a batch's metric points and moves the latest values forward (never back in step)."""
+    now = utcnow()
+    points = list(points)
+    if not points:
+        return 0
+    session.execute(
+        insert(MetricPoint),
+        [
+            {
+                "run_id": run_id,
+                "batch_id": batch_id,
+                "step": step,
+                "sampler": p.sampler,
+                "name": p.name,
+                "value": p.value,
+                "scorer": scorer,
+                "checkpoint": checkpoint,
+                "created_at": now,
+            }
+            for p in points
+        ],
+    )
+    existing = {
+        (lm.sampler, lm.name): lm
+        for lm in session.scalars(
+            select(LatestMetric).where(LatestMetric.run_id == run_id, LatestMetric.name.in_({p.name for p in points}))
+        )
+    }
+    for p in points:
+        current = existing.get((p.sampler, p.name))
+        if current is None:
+            session.add(
+                LatestMetric(run_id=run_id, sampler=p.sampler, name=p.name, step=step, value=p.value, updated_at=now)
+            )
+        elif current.step <= step:
+            current.step, current.value, current.updated_at = step, p.value, now
+    return len(points)
+
+
+def ema_state(session: Session, run_id: int, sampler: str) -> EmaRecord | None:
+    return session.get(EmaRecord, (run_id, sampler))
+
+
+def save_ema(session: Session, run_id: int, sampler: str, step: int, ema: EmaState) -> None:
+    record = session.get(EmaRecord, (run_id, sampler))
+    if record is None:
+        record = EmaRecord(run_id=run_id, sampler=sampler)
+        session.add(record)
+    record.step, record.marginal_std, record.marginal_std_seq = step, ema.marginal_std, ema.marginal_std_seq
+
+
+def metric_series(
+    session: Session,
+    run_id: int,
+    names: Sequence[str] | None,
+    sampler: str | None,
+    from_step: int | None,
+    to_step: int | None,
+    limit: int,
+) -> Sequence[MetricPoint]:
+    query = select(MetricPoint).where(MetricPoint.run_id == run_id)
+    if names:
+        query = query.where(MetricPoint.name.in_(names))
+    if sampler is not None:
+        query = query.where(MetricPoint.sampler == sampler)
+    if from_step is not None:
+        query = query.where(MetricPoint.step >= from_step)
+    if to_step is not None:
+        query = query.where(MetricPoint.step <= to_step)
+    query = query.order_by(MetricPoint.step, MetricPoint.sampler, MetricPoint.name, MetricPoint.id).limit(limit)
+    return session.scalars(query).all()
+
+
+# Prometheus collector reads -------------------------------------------------------------------
+
+
+def latest_values(session: Session) -> Sequence[tuple[str, str, str, float, int]]:
+    """(run name, sampler, metric name, value, step) of every latest value."""
+    rows = session.execute(
+        select(Run.name, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step).join(
+            Run, Run.id == LatestMetric.run_id
+        )
+    ).all()
+    return [(r[0], r[1], r[2], float(r[3]), int(r[4])) for r in rows]
+
+
+def scoring_stats(session: Session) -> dict[str, Any]:
+    """Totals over finished batches: counts per status, scoring-seconds buckets, tokens."""
+    buckets = [func.sum(case((Batch.scoring_seconds <= bound, 1), else_=0)) for bound in SCORING_SECONDS_BUCKETS]
+    row = session.execute(
+        select(
+            func.count(Batch.scoring_seconds),
+            func.coalesce(func.sum(Batch.scoring_seconds), 0.0),
+            func.coalesce(func.sum(Batch.tokens_scored), 0),
+            *buckets,
+        ).where(Batch.status == "done", Batch.scoring_seconds.is_not(None))
+    ).one()
+    recent = session.execute(
+        select(Batch.tokens_scored, Batch.scoring_seconds)
+        .where(Batch.status == "done", Batch.tokens_scored > 0)
+        .order_by(Batch.finished_at.desc())
+        .limit(20)
+    ).all()
+    pairs = [(int(t or 0), float(s or 0.0)) for t, s in recent]
+    seconds = sum(s for _, s in pairs)
+    return {
+        "count": int(row[0]),
+        "sum_seconds": float(row[1]),
+        "tokens": int(row[2]),
+        "buckets": [int(v or 0) for v in row[3:]],
+        "recent_tokens_per_second": sum(t for t, _ in pairs) / seconds if seconds > 0 else None,
+    }

@@ -1,0 +1,134 @@
+"""Tables (SQLAlchemy 2.0 declarative). The same Alembic migrations create them on SQLite and Postgres."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        list[Any]: JSON,
+        datetime: DateTime(timezone=True),
+    }
+
+
+# SQLite only auto-increments INTEGER PRIMARY KEY; Postgres gets a 64-bit key.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    project: Mapped[str | None] = mapped_column(String(200))
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)  # model, algorithm, environment, tags
+    scorer: Mapped[str] = mapped_column(String(200))
+    scorer_mode: Mapped[str] = mapped_column(String(16))  # reference | policy
+    score_every: Mapped[int] = mapped_column(Integer, default=1)
+    samplers: Mapped[list[Any]] = mapped_column(default=list)
+    num_samples: Mapped[int | None] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    temperature: Mapped[float] = mapped_column(Float, default=1.0)
+    filter: Mapped[dict[str, Any]] = mapped_column(default=dict)  # SNR filter settings for the advice
+    alert_rules: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    path: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(8))  # full | lora
+    step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Batch(Base):
+    """One accepted training step: the payload as sent, and its scoring's status and results."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        UniqueConstraint("run_id", "client_batch_id", name="uq_batches_run_client_id"),
+        Index("ix_batches_status_created", "status", "created_at"),
+        Index("ix_batches_run_status_step", "run_id", "status", "step"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    client_batch_id: Mapped[str | None] = mapped_column(String(200))
+    kind: Mapped[str] = mapped_column(String(16))  # rollouts | matrix
+    payload: Mapped[str] = mapped_column(Text)  # the request body as sent
+    payload_sha256: Mapped[str] = mapped_column(String(64))
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
+    status: Mapped[str] = mapped_column(String(16))  # queued | scoring | done | failed
+    error: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(100))
+    lease_expires_at: Mapped[datetime | None] = mapped_column()
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column()
+    finished_at: Mapped[datetime | None] = mapped_column()
+    scoring_seconds: Mapped[float | None] = mapped_column(Float)
+    tokens_scored: Mapped[int | None] = mapped_column(BigInteger)
+    scorer: Mapped[str | None] = mapped_column(String(200))
+    checkpoint: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class MetricPoint(Base):
+    """One value of one metric at one step: the time series everything else reads."""
+
+    __tablename__ = "metric_points"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "sampler", "name", name="uq_metric_points_batch_sampler_name"),
+        Index("ix_metric_points_run_name_step", "run_id", "name", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    sampler: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(80))
+    value: Mapped[float] = mapped_column(Float)
+    scorer: Mapped[str | None] = mapped_column(String(200))
+    checkpoint: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LatestMetric(Base):
+    """The newest value per (run, sampler, name), read by the Prometheus collector."""
+
+    __tablename__ = "latest_metrics"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    sampler: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(80), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)
+    value: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class EmaRecord(Base):
+    """The marginal-std EMA of each (run, sampler), carried from one scored step to the next."""
+
+    __tablename__ = "ema_states"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    sampler: Mapped[str] = mapped_column(String(32), primary_key=True)
+    marginal_std: Mapped[float | None] = mapped_column(Float)
+    marginal_std_seq: Mapped[float | None] = mapped_column(Float)
+    step: Mapped[int] = mapped_column(Integer)

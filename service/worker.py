@@ -1,0 +1,169 @@
+"""The scoring worker: claims queued batches, scores them, writes each batch's results at once.
+
+Durability: a batch is claimed under a lease that a heartbeat renews while it is scored. If the
+worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times). A
+batch's metric points, EMA states, status and results are written in one transaction, and only
+while this worker still holds the lease, so every batch is scored exactly once. A batch that
+cannot be scored (bad content, longer than the scorer's context) is marked failed with its reason
+and blocks nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from scoring import Scorer
+from scoring.estimators import EmaState
+from service import pipeline
+from service.errors import MonitorError
+from service.pipeline import RunSnapshot, ScoredBatch
+from service.schemas import BatchIn
+from service.scorers import ScorerPool
+from service.settings import Settings
+from service.storage import queries
+from service.storage.tables import Checkpoint, Run
+
+log = logging.getLogger("collapse_monitor.worker")
+
+
+@dataclass(frozen=True)
+class Claimed:
+    batch_id: str
+    step: int
+    payload: str
+    run: RunSnapshot
+    emas: dict[str, EmaState]
+    checkpoint_path: str | None
+    checkpoint_kind: str | None
+
+
+class Worker:
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings, pool: ScorerPool) -> None:
+        self.sessions = sessions
+        self.settings = settings
+        self.pool = pool
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    def run(self, stop: threading.Event) -> None:
+        """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty."""
+        log.info("worker %s started", self.owner)
+        while not stop.is_set():
+            try:
+                worked = self.run_once()
+            except Exception:  # a broken database connection must not kill the loop
+                log.exception("worker %s: claiming or writing a batch failed", self.owner)
+                worked = False
+            if not worked:
+                stop.wait(self.settings.worker_poll_seconds)
+
+    def run_once(self) -> bool:
+        """Claims and scores one batch; False when there was nothing to claim."""
+        claimed = self._claim()
+        if claimed is None:
+            return False
+        renewing = threading.Event()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(claimed.batch_id, renewing), daemon=True)
+        heartbeat.start()
+        try:
+            scored, seconds = pipeline.timed(lambda: self._score(claimed))
+        except (MonitorError, ValueError) as e:
+            self._finish_failed(claimed, str(e))
+            return True
+        except Exception as e:
+            log.exception("worker %s: batch %s failed unexpectedly", self.owner, claimed.batch_id)
+            self._finish_failed(claimed, f"internal error while scoring: {type(e).__name__}: {e}")
+            return True
+        finally:
+            renewing.set()
+            heartbeat.join()
+        self._finish_done(claimed, scored, seconds)
+        return True
+
+    def _claim(self) -> Claimed | None:
+        with self.sessions.begin() as session:
+            batch = queries.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
+            if batch is None:
+                return None
+            run = session.get_one(Run, batch.run_id)
+            snapshot = RunSnapshot.of(run)
+            emas = {}
+            for sampler in snapshot.samplers:
+                record = queries.ema_state(session, run.id, sampler)
+                if record is not None:
+                    emas[sampler] = EmaState(record.marginal_std, record.marginal_std_seq)
+            checkpoint = session.get(Checkpoint, batch.checkpoint_id) if batch.checkpoint_id else None
+            return Claimed(
+                batch_id=batch.id,
+                step=batch.step,
+                payload=batch.payload,
+                run=snapshot,
+                emas=emas,
+                checkpoint_path=checkpoint.path if checkpoint else None,
+                checkpoint_kind=checkpoint.kind if checkpoint else None,
+            )
+
+    def _score(self, claimed: Claimed) -> ScoredBatch:
+        payload = BatchIn.model_validate_json(claimed.payload)
+
+        def scorer() -> Scorer:
+            path = Path(claimed.checkpoint_path) if claimed.checkpoint_path else None
+            return self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full")
+
+        scored = pipeline.score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings)
+        scored.checkpoint = claimed.checkpoint_path
+        return scored
+
+    def _heartbeat(self, batch_id: str, done: threading.Event) -> None:
+        while not done.wait(self.settings.lease_seconds / 3):
+            try:
+                with self.sessions.begin() as session:
+                    if not queries.renew_lease(session, batch_id, self.owner, self.settings.lease_seconds):
+                        log.warning("worker %s lost the lease of batch %s", self.owner, batch_id)
+                        return
+            except Exception:
+                log.exception("worker %s: renewing the lease of batch %s failed", self.owner, batch_id)
+
+    def _finish_done(self, claimed: Claimed, scored: ScoredBatch, seconds: float) -> None:
+        with self.sessions.begin() as session:
+            finished = queries.finish_batch(
+                session,
+                claimed.batch_id,
+                self.owner,
+                status="done",
+                result=scored.result,
+                scoring_seconds=seconds,
+                tokens_scored=scored.tokens,
+                scorer=scored.scorer,
+                checkpoint=scored.checkpoint,
+            )
+            if not finished:
+                # Another worker holds the batch now (our lease ran out); its results will count.
+                log.warning("worker %s: batch %s was taken over; discarding its results", self.owner, claimed.batch_id)
+                session.rollback()
+                return
+            queries.record_points(
+                session, claimed.run.id, claimed.batch_id, claimed.step, scored.points, scored.scorer, scored.checkpoint
+            )
+            for sampler, ema in scored.ema.items():
+                queries.save_ema(session, claimed.run.id, sampler, claimed.step, ema)
+        log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
+
+    def _finish_failed(self, claimed: Claimed, reason: str) -> None:
+        with self.sessions.begin() as session:
+            queries.finish_batch(session, claimed.batch_id, self.owner, status="failed", error=reason)
+        log.warning("worker %s: batch %s failed: %s", self.owner, claimed.batch_id, reason)
+
+
+def start_in_thread(worker: Worker) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), name="collapse-monitor-worker", daemon=True)
+    thread.start()
+    return thread, stop

@@ -1,0 +1,122 @@
+"""Real databases for the storage and API tests: SQLite in a temp folder and Postgres on loopback.
+
+Each test gets a fresh Postgres database (created and dropped here). Under CI=true an unreachable
+Postgres fails the run instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from service.app import create_app
+from service.settings import Settings
+
+PG_ADMIN_URL = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def _postgres_or_skip() -> None:
+    try:
+        engine = create_engine(PG_ADMIN_URL)
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+        engine.dispose()
+    except Exception as e:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"Postgres at {PG_ADMIN_URL} is unreachable under CI: {e}")
+        pytest.skip(f"Postgres at {PG_ADMIN_URL} is unreachable: {e}")
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    _postgres_or_skip()
+    name = f"cm_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'monitor.db'}"
+    return request.getfixturevalue("postgres_url")
+
+
+@pytest.fixture
+def settings_for(tmp_path, monkeypatch):
+    """Builds Settings for a test: no environment, no .env, the tiny-random scorer."""
+    for key in list(os.environ):
+        if key.startswith("COLLAPSE_MONITOR_"):
+            monkeypatch.delenv(key)
+
+    def build(database_url: str, **overrides) -> Settings:
+        values = {
+            "database_url": database_url,
+            "data_dir": tmp_path / "data",
+            "cache_dir": tmp_path / "cache",
+            "default_scorer": "tiny-random",
+            "worker_poll_seconds": 0.05,
+        } | overrides
+        return Settings(_env_file=None, **values)
+
+    return build
+
+
+@pytest.fixture
+def client_for(settings_for):
+    """Starts the app (lifespan included) for given settings; stopped at the end of the test."""
+    clients: list[TestClient] = []
+
+    def start(database_url: str, **overrides) -> TestClient:
+        client = TestClient(create_app(settings_for(database_url, **overrides)))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def wait_for(client: TestClient, batch_id: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = client.get(f"/v1/batches/{batch_id}").json()
+        if status["status"] in ("done", "failed"):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"batch {batch_id} still {status['status']} after {timeout}s")
+
+
+def trajectories(n_groups: int = 4, per_group: int = 3, turns: int = 2) -> list[dict]:
+    """Text trajectories: group g's prompt is distinct, rewards vary within all but the last group."""
+    out = []
+    for g in range(n_groups):
+        for k in range(per_group):
+            out.append(
+                {
+                    "group_id": g,
+                    "reward": 0.0 if g == n_groups - 1 else float(k % 2),
+                    "turns": [
+                        {
+                            "prompt": f"State {g}, turn {t}: the goal lies {['up', 'down', 'left', 'right'][g % 4]}.",
+                            "response": f"<think>Goal {g}: option {k} at turn {t}.</think><answer>Up</answer>",
+                        }
+                        for t in range(turns)
+                    ],
+                }
+            )
+    return out
