@@ -116,6 +116,7 @@ def cascade_attention(
     segments: list[Segment],
     layer: int,
     scaling: float | None,
+    fused: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence over its own tokens, plus full attention over its segments.
 
@@ -125,6 +126,7 @@ def cascade_attention(
         segments: shared keys/values; a sequence sees every segment listing its row.
         layer: which layer's keys/values to take from each segment.
         scaling: softmax scale (default 1/sqrt(D)).
+        fused: use torch's fused CPU flash kernel (default: on CPU); otherwise explicit matmuls.
 
     Returns:
         [B, Q, heads, D] in the query's dtype, the layout transformers' attention functions return.
@@ -133,40 +135,45 @@ def cascade_attention(
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
-    # Half-precision inputs: softmax statistics and products run in float32.
+    fused = query.device.type == "cpu" if fused is None else fused
+    # Half-precision inputs: softmax statistics and the merge run in float32.
     work = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(work)
+    own_k = key.to(work).repeat_interleave(groups, dim=1)  # [B, heads, Q, D]: Q tokens only, cheap
+    own_v = value.to(work).repeat_interleave(groups, dim=1)
+    out, lse = _attend(q, own_k, own_v, scale, causal=True, fused=fused)  # [B, H, Q, D], [B, H, Q]
     # Query heads h = k * groups + j share kv head k: fold the groups into the query length.
-    q = query.to(work).reshape(batch, kv_heads, groups * q_len, dim)
-
-    scores = torch.matmul(q, key.to(work).transpose(-1, -2)) * scale  # [B, kv, g*Q, Q]
-    position = torch.arange(q_len, device=query.device)
-    future = (position[None, :] > position[:, None]).repeat(groups, 1)  # [g*Q, Q]
-    scores.masked_fill_(future, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    p = torch.exp(scores - m)
-    l = p.sum(dim=-1, keepdim=True)
-    o = torch.matmul(p, value.to(work))  # [B, kv, g*Q, D], unnormalized
-
+    folded = q.reshape(batch, kv_heads, groups * q_len, dim)
     for segment in segments:
-        seg_k = segment.keys[layer].to(work)  # [kv, S, D]
-        seg_v = segment.values[layer].to(work)
-        q_seg = q if segment.rows is None else q[segment.rows]  # [n, kv, g*Q, D]
-        n = q_seg.shape[0]
-        folded = q_seg.transpose(0, 1).reshape(kv_heads, n * groups * q_len, dim)
-        s = torch.bmm(folded, seg_k.transpose(1, 2)) * scale  # [kv, n*g*Q, S]
-        m_s = s.amax(dim=-1, keepdim=True)
-        p_s = torch.exp(s - m_s)
-        stats = (m_s, p_s.sum(dim=-1, keepdim=True), torch.bmm(p_s, seg_v))
-
-        def unfold(t: torch.Tensor, n: int = n) -> torch.Tensor:
-            return t.reshape(kv_heads, n, groups * q_len, t.shape[-1]).transpose(0, 1)
-
-        m_s, l_s, o_s = (unfold(t) for t in stats)
+        seg_k = segment.keys[layer].to(work)[None]  # [1, kv, S, D]
+        seg_v = segment.values[layer].to(work)[None]
         rows = segment.rows if segment.rows is not None else slice(None)
-        m_r, l_r, o_r = m[rows], l[rows], o[rows]
-        m_new = torch.maximum(m_r, m_s)
-        a, b = torch.exp(m_r - m_new), torch.exp(m_s - m_new)
-        m[rows], l[rows], o[rows] = m_new, l_r * a + l_s * b, o_r * a + o_s * b
-
-    out = (o / l).reshape(batch, heads, q_len, dim)
+        q_seg = folded[rows]  # [n, kv, g*Q, D]
+        n = q_seg.shape[0]
+        # Every sequence of the segment in one call: the segment's keys are read once, not n times.
+        seg_out, seg_lse = _attend(
+            q_seg.transpose(0, 1).reshape(1, kv_heads, n * groups * q_len, dim), seg_k, seg_v, scale, False, fused
+        )
+        seg_out = seg_out.reshape(kv_heads, n, groups * q_len, dim).transpose(0, 1).reshape(n, heads, q_len, dim)
+        seg_lse = seg_lse.reshape(kv_heads, n, groups * q_len).transpose(0, 1).reshape(n, heads, q_len)
+        merged = torch.logaddexp(lse[rows], seg_lse)
+        out[rows] = (
+            out[rows] * torch.exp(lse[rows] - merged)[..., None] + seg_out * torch.exp(seg_lse - merged)[..., None]
+        )
+        lse[rows] = merged
     return out.transpose(1, 2).contiguous().to(query.dtype)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention [.., Q, D] and its log-sum-exp [.., Q] (causal: top-left aligned, Q == K)."""
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal, scale=scale)
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        position = torch.arange(q.shape[-2], device=q.device)
+        scores.masked_fill_(position[None, :] > position[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse

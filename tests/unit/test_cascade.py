@@ -1,0 +1,58 @@
+"""Cascade attention equals softmax attention over the concatenated keys, fused kernel or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scoring.cascade import Segment, cascade_attention
+
+
+def naive(query, key, value, segments, scale):
+    """Each row attends to [its segments ; its own tokens, causally], written out plainly."""
+    batch, heads, q_len, _dim = query.shape
+    groups = heads // key.shape[1]
+    outputs = []
+    for b in range(batch):
+        keys, values = [], []
+        for segment in segments:
+            if segment.rows is None or b in segment.rows.tolist():
+                keys.append(segment.keys[0])
+                values.append(segment.values[0])
+        shared = sum(k.shape[1] for k in keys)
+        k_all = torch.cat([*keys, key[b]], dim=1).repeat_interleave(groups, dim=0)  # [heads, S + Q, D]
+        v_all = torch.cat([*values, value[b]], dim=1).repeat_interleave(groups, dim=0)
+        scores = query[b] @ k_all.transpose(-1, -2) * scale  # [heads, Q, S + Q]
+        future = torch.arange(shared + q_len)[None, :] > (shared + torch.arange(q_len))[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        outputs.append(torch.softmax(scores, dim=-1) @ v_all)
+    return torch.stack(outputs).transpose(1, 2)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+def test_cascade_attention_equals_attention_over_the_concatenation(fused, heads, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    batch, q_len, dim = 3, 5, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    query, key, value = (
+        rand(batch, heads, q_len, dim),
+        rand(batch, kv_heads, q_len, dim),
+        rand(batch, kv_heads, q_len, dim),
+    )
+    segments = [
+        Segment(keys=[rand(kv_heads, 7, dim)], values=[rand(kv_heads, 7, dim)]),
+        Segment(keys=[rand(kv_heads, 4, dim)], values=[rand(kv_heads, 4, dim)], rows=torch.tensor([0, 2])),
+        Segment(keys=[rand(kv_heads, 9, dim)], values=[rand(kv_heads, 9, dim)], rows=torch.tensor([1])),
+    ]
+    got = cascade_attention(query, key, value, segments, layer=0, scaling=0.3, fused=fused)
+    torch.testing.assert_close(got, naive(query, key, value, segments, 0.3), atol=1e-12, rtol=0)
+
+
+def test_without_segments_it_is_plain_causal_attention():
+    query, key, value = (torch.randn(2, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    expected = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(cascade_attention(query, key, value, [], 0, None, fused=False), expected)
