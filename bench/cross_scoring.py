@@ -65,11 +65,11 @@ def build_batch(encode, shape: str, quick: bool, seed: int = 0) -> ScoringBatch:
     system = token_stream(encode, rng, SYSTEM_TOKENS)
     prompts, reasonings, groups = [], [], []
     for g in range(n_prompts):
-        length = int(round(prompt_len * rng.uniform(0.95, 1.05)))
+        length = round(prompt_len * rng.uniform(0.95, 1.05))
         prompt = system + token_stream(encode, rng, length - SYSTEM_TOKENS)
         for _ in range(per_prompt):
             prompts.append(prompt)
-            reasonings.append(token_stream(encode, rng, int(round(trace_len * rng.uniform(0.9, 1.1)))))
+            reasonings.append(token_stream(encode, rng, round(trace_len * rng.uniform(0.9, 1.1))))
             groups.append(g)
     return ScoringBatch.from_rows(prompts, reasonings, groups)
 

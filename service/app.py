@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -18,6 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.delivery import Dispatcher
+from service.delivery import start_in_thread as start_dispatcher
 from service.errors import MonitorError, Unavailable
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
 from service.scorers import ScorerPool
@@ -48,11 +51,13 @@ def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
             batches=queries.batch_counts(session),
             scoring=queries.scoring_stats(session),
             buckets=queries.SCORING_SECONDS_BUCKETS,
+            alerts=queries.active_alerts(session),
+            deliveries=queries.delivery_counts(session),
         )
 
 
 def create_app(settings: Settings) -> FastAPI:
-    from service.api import batches, runs, system
+    from service.api import alerts, batches, runs, system
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -72,16 +77,20 @@ def create_app(settings: Settings) -> FastAPI:
         )
         registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions)))
         app.state.monitor = state
-        stop = None
+        threads = []
         if settings.embedded_worker and not settings.scoring_paused:
             threading.Thread(target=_preload, args=(state,), name="scorer-preload", daemon=True).start()
-            thread, stop = start_in_thread(Worker(sessions, settings, state.pool))
+            threads.append(start_in_thread(Worker(sessions, settings, state.pool)))
+        http = httpx.Client()
+        threads.append(start_dispatcher(Dispatcher(sessions, settings, http)))
         try:
             yield
         finally:
-            if stop is not None:
+            for _, stop in threads:
                 stop.set()
+            for thread, _ in threads:
                 thread.join(timeout=60)
+            http.close()
             engine.dispose()
 
     app = FastAPI(
@@ -92,6 +101,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.include_router(runs.router)
     app.include_router(batches.router)
+    app.include_router(alerts.router)
     app.include_router(system.router)
     app.add_exception_handler(MonitorError, _monitor_error)  # type: ignore[arg-type]  # Starlette's handler type is loose
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]  # as above

@@ -8,6 +8,8 @@
                                                  the HTTP service (with an embedded worker)
     collapse-monitor worker  [--database-url URL]
                                                  a scoring worker process sharing the database
+    collapse-monitor demo    [--url URL] [--steps N]
+                                                 feed a running server a simulated run that collapses
 
 FILE may be ``-`` for stdin. Results go to stdout as one JSON document. Bad input exits with
 code 2 and one line on stderr naming the field and what was wrong; never a traceback.
@@ -87,7 +89,24 @@ def _build_parser() -> _Parser:
     worker = commands.add_parser("worker", help="run a scoring worker against the shared database")
     _service_flags(worker)
     worker.set_defaults(command=_run_worker)
+
+    demo = commands.add_parser("demo", help="feed a running server a simulated RL run that falls into collapse")
+    demo.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
+    demo.add_argument("--run", default="demo-sokoban", help="run name (default demo-sokoban)")
+    demo.add_argument("--steps", type=int, default=24, help="training steps to send (default 24)")
+    demo.add_argument("--collapse-start", type=int, default=10, help="step where collapse sets in (default 10)")
+    demo.set_defaults(command=_run_demo)
     return parser
+
+
+def _run_demo(args: argparse.Namespace) -> Any:
+    from service.demo import run_demo
+
+    try:
+        run_demo(args.url.rstrip("/"), args.run, args.steps, args.collapse_start, report=print)
+    except (OSError, RuntimeError) as e:
+        raise UsageError(f"demo: {e}") from e
+    return None
 
 
 def _service_flags(parser: argparse.ArgumentParser) -> None:
@@ -135,6 +154,10 @@ def _run_worker(args: argparse.Namespace) -> Any:
     import signal
     import threading
 
+    import httpx
+
+    from service.delivery import Dispatcher
+    from service.delivery import start_in_thread as start_dispatcher
     from service.scorers import ScorerPool
     from service.storage.database import make_engine, make_sessions, migrate
     from service.worker import Worker
@@ -151,7 +174,11 @@ def _run_worker(args: argparse.Namespace) -> Any:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    Worker(make_sessions(engine), settings, ScorerPool(settings)).run(stop)
+    sessions = make_sessions(engine)
+    with httpx.Client() as http:
+        dispatcher, _ = start_dispatcher(Dispatcher(sessions, settings, http))
+        Worker(sessions, settings, ScorerPool(settings)).run(stop)
+        dispatcher.join(timeout=30)
     engine.dispose()
     return None
 

@@ -77,6 +77,8 @@ class MetricsSnapshot:
     batches: dict[str, int]  # status -> count
     scoring: dict[str, Any]  # queries.scoring_stats()
     buckets: tuple[float, ...] = field(default=())
+    alerts: list[tuple[str, str, str, str, str]] = field(default_factory=list)  # run, sampler, rule, severity, state
+    deliveries: list[tuple[str, str, int]] = field(default_factory=list)  # receiver, status, count
 
 
 class ServiceMetrics:
@@ -119,6 +121,7 @@ class DiagnosticsCollector(Collector):
         yield up
         yield from _diagnostics(snapshot)
         yield from _service(snapshot)
+        yield from _alerts(snapshot)
 
 
 def _diagnostics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
@@ -167,3 +170,68 @@ def _service(snapshot: MetricsSnapshot) -> Iterator[Metric]:
     if stats["recent_tokens_per_second"] is not None:
         speed.add_metric([], float(stats["recent_tokens_per_second"]))
     yield speed
+
+
+def _alerts(snapshot: MetricsSnapshot) -> Iterator[Metric]:
+    active = GaugeMetricFamily(
+        f"{NAMESPACE}_alerts",
+        "Pending and firing alerts (1 each), by run, sampler, rule, severity and state.",
+        labels=["run", "sampler", "rule", "severity", "state"],
+    )
+    for labels in sorted(snapshot.alerts):
+        active.add_metric(list(labels), 1.0)
+    yield active
+    deliveries = GaugeMetricFamily(
+        f"{NAMESPACE}_alert_deliveries",
+        "Alert notifications by receiver and status (pending, delivering, delivered, failed).",
+        labels=["receiver", "status"],
+    )
+    for receiver, status, n in sorted(snapshot.deliveries):
+        deliveries.add_metric([receiver, status], float(n))
+    yield deliveries
+
+
+def catalogue_markdown() -> str:
+    """docs/metrics.md: every exported diagnostic, generated from ``EXPORTED``."""
+    lines = [
+        "# Metric catalogue",
+        "",
+        "Generated from `service/metrics.py` (`EXPORTED`):",
+        "`.venv/bin/python -m service.metrics > docs/metrics.md` regenerates it.",
+        "",
+        "Diagnostics are gauges labelled `run` and `sampler` (`first_turn`, `trajectory`, a matrix sampler, or",
+        "`all` for batch-level reward and coverage figures), holding the newest stored value.",
+        "",
+        "| Prometheus name | stored name (`/v1/runs/{run}/metrics`) | meaning |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{NAMESPACE}_{e.name}` | `{e.stored}` | {e.help} |" for e in EXPORTED]
+    lines += [
+        "",
+        "Service metrics:",
+        "",
+        "| Prometheus name | type | meaning |",
+        "| --- | --- | --- |",
+        f"| `{NAMESPACE}_last_step` | gauge (`run`) | Newest training step with stored figures. |",
+        f"| `{NAMESPACE}_queue_depth` | gauge | Batches accepted and waiting to be scored. |",
+        f"| `{NAMESPACE}_batches_in_progress` | gauge | Batches being scored right now. |",
+        f"| `{NAMESPACE}_batches_scored_total` | counter (`status`) | Finished batches: done or failed. |",
+        f"| `{NAMESPACE}_scoring_duration_seconds` | histogram | Wall time to score one batch. |",
+        f"| `{NAMESPACE}_scored_tokens_total` | counter | Tokens run through scorer models. |",
+        f"| `{NAMESPACE}_scorer_tokens_per_second` | gauge | Scorer throughput over the last 20 scored batches. |",
+        f"| `{NAMESPACE}_requests_total` | counter (`method`, `route`, `status`) | HTTP requests of this process. |",
+        f"| `{NAMESPACE}_rejections_total` | counter (`reason`) | Requests refused, by reason. |",
+        f"| `{NAMESPACE}_database_up` | gauge | 1 when the last scrape could read the database. |",
+        f"| `{NAMESPACE}_alerts` | gauge (`run`, `sampler`, `rule`, `severity`, `state`) | 1 per active alert. |",
+        f"| `{NAMESPACE}_alert_deliveries` | gauge (`receiver`, `status`) | Alert notifications by status. |",
+        "",
+        "Every stored name (all RAGEN metrics, intervals, coverage and `rollout/...` filter figures) is",
+        "queryable through `GET /v1/runs/{run}/metrics`; Prometheus carries the ones above.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(catalogue_markdown())

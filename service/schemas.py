@@ -11,6 +11,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
 from scoring.snr_filter import FilterConfig
+from service.alerts import AlertConfig
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -217,6 +218,7 @@ class RunCreate(_Strict):
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     temperature: float = Field(1.0, gt=0, description="Scoring temperature; RAGEN scores at the rollout temperature.")
     filter: FilterSettings = Field(default_factory=FilterSettings)
+    alerts: AlertConfig = Field(default_factory=AlertConfig, description="Alert thresholds (docs/alerts.md).")
 
 
 class RunResponse(RunCreate):

@@ -61,6 +61,22 @@ class Settings(BaseSettings):
     max_token_ids: int = Field(65536, ge=1, description="Token ids per prompt or reasoning.")
     max_matrix_cells: int = Field(4_000_000, ge=1, description="R x N cells of an uploaded matrix.")
 
+    alert_webhooks: list[str] = Field(
+        default_factory=list, description="URLs receiving alert events as generic JSON (firing and resolved)."
+    )
+    alert_slack_webhooks: list[str] = Field(
+        default_factory=list, description="Slack-compatible incoming-webhook URLs receiving alert events."
+    )
+    alertmanager_url: str | None = Field(
+        None, description="Alertmanager base URL (e.g. http://alertmanager:9093); alerts go to /api/v2/alerts."
+    )
+    public_url: str = Field("", description="This service's external URL, linked from alerts (generatorURL).")
+    delivery_max_attempts: int = Field(
+        12, ge=1, description="Tries per notification before it is marked failed (kept and counted, not dropped)."
+    )
+    delivery_backoff_seconds: float = Field(1.0, gt=0, description="First retry delay; doubles per failed try.")
+    delivery_backoff_max_seconds: float = Field(300.0, gt=0, description="Cap of the retry delay.")
+
     @field_validator("scorers")
     @classmethod
     def _some_scorer(cls, value: dict[str, str]) -> dict[str, str]:

@@ -154,6 +154,8 @@ class Worker:
             )
             for sampler, ema in scored.ema.items():
                 queries.save_ema(session, claimed.run.id, sampler, claimed.step, ema)
+            samplers = [*scored.result.get("samplers", {}), "all"]
+            pipeline.update_alerts(session, claimed.run, claimed.step, samplers, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
     def _finish_failed(self, claimed: Claimed, reason: str) -> None:

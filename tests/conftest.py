@@ -9,7 +9,7 @@ import torch
 from scoring import Scorer, ScoringBatch
 
 # The database fixtures (postgres_url, settings_for, ...) serve the e2e tests too.
-pytest_plugins = ["tests.integration.conftest"]
+pytest_plugins = ["tests.fixtures"]
 
 VOCAB = 64
 

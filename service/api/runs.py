@@ -73,6 +73,7 @@ def _run_config(run: Run) -> RunCreate:
             "sampler": {"samplers": run.samplers, "num_samples": run.num_samples, "seed": run.seed},
             "temperature": run.temperature,
             "filter": run.filter,
+            "alerts": run.alert_rules,
         }
     )
 
@@ -117,7 +118,7 @@ def create_run(state: State, body: RunCreate, response: Response) -> RunResponse
             seed=config.sampler.seed,
             temperature=config.temperature,
             filter=config.filter.model_dump(),
-            alert_rules={},
+            alert_rules=config.alerts.model_dump(),
         )
         session.add(run)
         session.flush()

@@ -14,7 +14,17 @@ from sqlalchemy import and_, case, exists, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from scoring.estimators import EmaState
-from service.storage.tables import Batch, Checkpoint, EmaRecord, LatestMetric, MetricPoint, Run, utcnow
+from service.storage.tables import (
+    Alert,
+    AlertDelivery,
+    Batch,
+    Checkpoint,
+    EmaRecord,
+    LatestMetric,
+    MetricPoint,
+    Run,
+    utcnow,
+)
 
 SCORING_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -280,3 +290,83 @@ def scoring_stats(session: Session) -> dict[str, Any]:
         "buckets": [int(v or 0) for v in row[3:]],
         "recent_tokens_per_second": sum(t for t, _ in pairs) / seconds if seconds > 0 else None,
     }
+
+
+# Alerts ---------------------------------------------------------------------------------------
+
+
+def alert_series(
+    session: Session, run_id: int, sampler: str, names: Sequence[str]
+) -> dict[str, list[tuple[int, float]]]:
+    """[(step, value)] per name for one (run, sampler), ascending steps."""
+    rows = session.execute(
+        select(MetricPoint.name, MetricPoint.step, MetricPoint.value)
+        .where(MetricPoint.run_id == run_id, MetricPoint.sampler == sampler, MetricPoint.name.in_(set(names)))
+        .order_by(MetricPoint.name, MetricPoint.step)
+    ).all()
+    series: dict[str, list[tuple[int, float]]] = {}
+    for name, step, value in rows:
+        series.setdefault(name, []).append((int(step), float(value)))
+    return series
+
+
+def alerts_of(session: Session, run_id: int, sampler: str) -> Sequence[Alert]:
+    return session.scalars(select(Alert).where(Alert.run_id == run_id, Alert.sampler == sampler)).all()
+
+
+def list_alerts(
+    session: Session, run_id: int | None = None, state: str | None = None, rule: str | None = None
+) -> Sequence[tuple[Alert, str]]:
+    query = select(Alert, Run.name).join(Run, Run.id == Alert.run_id)
+    if run_id is not None:
+        query = query.where(Alert.run_id == run_id)
+    if state is not None:
+        query = query.where(Alert.state == state)
+    if rule is not None:
+        query = query.where(Alert.rule == rule)
+    return [(a, n) for a, n in session.execute(query.order_by(Alert.id)).all()]
+
+
+def deliveries_of(session: Session, alert_ids: Sequence[int]) -> Sequence[AlertDelivery]:
+    if not alert_ids:
+        return []
+    return session.scalars(
+        select(AlertDelivery).where(AlertDelivery.alert_id.in_(alert_ids)).order_by(AlertDelivery.id)
+    ).all()
+
+
+def claim_deliveries(session: Session, owner: str, lease_seconds: float, limit: int) -> Sequence[AlertDelivery]:
+    """Due deliveries (pending, or leased by a dispatcher that died), leased to ``owner``."""
+    now = utcnow()
+    due = or_(
+        and_(AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now),
+        and_(AlertDelivery.status == "delivering", AlertDelivery.next_attempt_at <= now),
+    )
+    query = select(AlertDelivery).where(due).order_by(AlertDelivery.next_attempt_at, AlertDelivery.id).limit(limit)
+    if session.get_bind().dialect.name == "postgresql":
+        query = query.with_for_update(skip_locked=True)
+    claimed = session.scalars(query).all()
+    for delivery in claimed:
+        delivery.status, delivery.lease_owner = "delivering", owner
+        delivery.next_attempt_at = now + timedelta(seconds=lease_seconds)
+    session.flush()
+    return claimed
+
+
+def delivery_counts(session: Session) -> list[tuple[str, str, int]]:
+    rows = session.execute(
+        select(AlertDelivery.receiver, AlertDelivery.status, func.count()).group_by(
+            AlertDelivery.receiver, AlertDelivery.status
+        )
+    ).all()
+    return [(r, s, int(n)) for r, s, n in rows]
+
+
+def active_alerts(session: Session) -> list[tuple[str, str, str, str, str]]:
+    """(run, sampler, rule, severity, state) of pending and firing alerts."""
+    rows = session.execute(
+        select(Run.name, Alert.sampler, Alert.rule, Alert.severity, Alert.state)
+        .join(Run, Run.id == Alert.run_id)
+        .where(Alert.state.in_(("pending", "firing")))
+    ).all()
+    return [(a, b, c, d, e) for a, b, c, d, e in rows]

@@ -132,3 +132,49 @@ class EmaRecord(Base):
     marginal_std: Mapped[float | None] = mapped_column(Float)
     marginal_std_seq: Mapped[float | None] = mapped_column(Float)
     step: Mapped[int] = mapped_column(Integer)
+
+
+class Alert(Base):
+    """One alert episode of a (run, sampler, rule): pending, then firing, then resolved."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (Index("ix_alerts_run_rule_sampler_state", "run_id", "rule", "sampler", "state"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    sampler: Mapped[str] = mapped_column(String(32))
+    rule: Mapped[str] = mapped_column(String(40))
+    severity: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))  # pending | firing | resolved
+    onset_step: Mapped[int] = mapped_column(Integer)
+    fired_step: Mapped[int | None] = mapped_column(Integer)
+    resolved_step: Mapped[int | None] = mapped_column(Integer)
+    last_step: Mapped[int] = mapped_column(Integer)
+    value: Mapped[float | None] = mapped_column(Float)
+    baseline: Mapped[float | None] = mapped_column(Float)
+    threshold: Mapped[float | None] = mapped_column(Float)
+    summary: Mapped[str] = mapped_column(Text)
+    description: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AlertDelivery(Base):
+    """A notification owed to a receiver; retried with backoff until delivered, never dropped."""
+
+    __tablename__ = "alert_deliveries"
+    __table_args__ = (Index("ix_alert_deliveries_status_next", "status", "next_attempt_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), index=True)
+    receiver: Mapped[str] = mapped_column(String(64))  # webhook | slack | alertmanager
+    url: Mapped[str] = mapped_column(Text)
+    event: Mapped[str] = mapped_column(String(16))  # firing | resolved
+    payload: Mapped[dict[str, Any]] = mapped_column()
+    status: Mapped[str] = mapped_column(String(16))  # pending | delivering | delivered | failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    lease_owner: Mapped[str | None] = mapped_column(String(100))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column()

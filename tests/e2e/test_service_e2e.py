@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, func, select
 
 from service.storage.tables import Batch, MetricPoint
 from tests.e2e.conftest import BIN, free_port, need, service_env, start_service, wait_until
-from tests.integration.conftest import trajectories
+from tests.fixtures import trajectories
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import create_engine, func, select
 
 from service.storage.tables import Batch, Checkpoint, MetricPoint
-from tests.integration.conftest import trajectories, wait_for
+from tests.fixtures import trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scoring.models import build_tiny_random
-from tests.integration.conftest import trajectories, wait_for
+from tests.fixtures import trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 

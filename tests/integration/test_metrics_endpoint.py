@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import EXPORTED
-from tests.integration.conftest import trajectories, wait_for
+from tests.fixtures import trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.tables import Batch, EmaRecord, MetricPoint
 from service.worker import Worker
-from tests.integration.conftest import trajectories, wait_for
+from tests.fixtures import trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,16 @@ from service.storage.database import make_engine, migrate
 from service.storage.tables import Base
 
 pytestmark = pytest.mark.integration
-TABLES = {"runs", "batches", "metric_points", "latest_metrics", "checkpoints", "ema_states"}
+TABLES = {
+    "runs",
+    "batches",
+    "metric_points",
+    "latest_metrics",
+    "checkpoints",
+    "ema_states",
+    "alerts",
+    "alert_deliveries",
+}
 
 
 def tables(url) -> set[str]:

@@ -1,4 +1,4 @@
-"""Real databases for the storage and API tests: SQLite in a temp folder and Postgres on loopback.
+"""Database and app fixtures (real SQLite and Postgres), shared by the integration and e2e tests.
 
 Each test gets a fresh Postgres database (created and dropped here). Under CI=true an unreachable
 Postgres fails the run instead of skipping it.
@@ -120,3 +120,27 @@ def trajectories(n_groups: int = 4, per_group: int = 3, turns: int = 2) -> list[
                 }
             )
     return out
+
+
+def dependence_matrix(step: int, dependence: float, seed: int = 0, n_columns: int = 4, per_column: int = 3) -> dict:
+    """A ``collapse-monitor metrics`` matrix whose input dependence is ``dependence`` nats per token.
+
+    Every row's own prompt scores about -2 nats per token (so H(Z|X) stays flat near 2); the other
+    prompts score ``dependence`` lower. At 0 the reasoning no longer depends on the prompt.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, step])
+    rows = n_columns * per_column
+    lengths = rng.integers(8, 16, rows)
+    own = np.repeat(np.arange(n_columns), per_column)
+    per_token = (
+        -2.0 - dependence * (np.arange(n_columns)[None, :] != own[:, None]) + rng.normal(0, 0.05, (rows, n_columns))
+    )
+    return {
+        "step": step,
+        "batch_id": f"m-{step}",
+        "row_group_ids": own.tolist(),
+        "reasoning_lengths": lengths.tolist(),
+        "L_seq": (per_token * lengths[:, None]).tolist(),
+    }

@@ -1,0 +1,307 @@
+"""Template-collapse alert rules, evaluated on a run's stored series after each scored step.
+
+Pure: series in, alert episodes out. Each evaluation replays the whole history of a (run,
+sampler) through the rules' state machine, so the result never depends on what a previous
+process remembered:
+
+    condition holds ──▶ pending ──(holds `window` consecutive steps)──▶ firing
+    pending ──(condition fails)──▶ dropped (never fired, nothing to tell)
+    firing ──(condition fails `resolve_window` consecutive steps)──▶ resolved
+
+Rules (RAGEN-2: entropy stays flat while input dependence vanishes under template collapse):
+    TemplateCollapse  the input-dependence signal falls below a threshold, or drops by more than
+                      ``drop_fraction`` from the run's baseline, while H(Z|X) stays within
+                      ``entropy_band`` of its baseline: the failure entropy cannot see.
+    EntropyCollapse   H(Z|X) (or the matched-pair token entropy) falls below ``entropy_floor`` of
+                      its baseline: reasoning became deterministic per input.
+    LowRewardSignal   the mean in-group reward std stays below ``reward_std_fraction`` of its
+                      baseline for ``reward_window`` steps (RAGEN's early-stop rule), or the share
+                      of zero-variance groups exceeds ``zero_variance_ratio`` for ``window`` steps.
+A baseline is the median of the first ``baseline_steps`` values; rules wait for it.
+Must not import fastapi or touch the database.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], ascending steps
+SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
+TEMPLATE, ENTROPY, REWARD = "TemplateCollapse", "EntropyCollapse", "LowRewardSignal"
+SEVERITY = {TEMPLATE: "critical", ENTROPY: "warning", REWARD: "warning"}
+
+
+class AlertConfig(BaseModel):
+    """Alert thresholds of one run; every default is documented in docs/alerts.md."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Evaluate alert rules for this run.")
+    signal: Literal["mi_zscore_ema", "retrieval_above_chance", "mi_estimate"] = Field(
+        "mi_zscore_ema", description="The input-dependence signal TemplateCollapse watches."
+    )
+    threshold: float | None = Field(
+        None,
+        description="Absolute level the signal must stay above; default per signal: mi_zscore_ema 0.0, "
+        "retrieval_above_chance 0.02, mi_estimate 0.01 nats.",
+    )
+    drop_fraction: float = Field(0.5, gt=0, le=1, description="Relative drop from the baseline that counts.")
+    baseline_steps: int = Field(5, ge=1, description="Scored steps whose median is the baseline.")
+    window: int = Field(3, ge=1, description="Consecutive scored steps a condition must hold to fire.")
+    resolve_window: int = Field(2, ge=1, description="Consecutive scored steps without it to resolve.")
+    entropy_signal: Literal["conditional_entropy_est", "token_entropy_mean"] = Field(
+        "conditional_entropy_est", description="The entropy EntropyCollapse watches."
+    )
+    entropy_band: float = Field(0.25, gt=0, description="TemplateCollapse needs H(Z|X) within this relative band.")
+    entropy_floor: float = Field(0.5, gt=0, lt=1, description="EntropyCollapse fires below this share of baseline.")
+    reward_std_fraction: float = Field(0.1, gt=0, lt=1, description="LowRewardSignal: share of baseline reward std.")
+    reward_window: int = Field(10, ge=1, description="LowRewardSignal: consecutive steps of low reward std.")
+    zero_variance_ratio: float = Field(0.5, gt=0, le=1, description="LowRewardSignal: zero-variance group share.")
+    use_intervals: bool = Field(
+        True, description="With signal mi_estimate, count a step only when its whole bootstrap interval is low."
+    )
+
+    @property
+    def signal_threshold(self) -> float:
+        return self.threshold if self.threshold is not None else SIGNAL_THRESHOLDS[self.signal]
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One alert of one rule: when it began, fired and resolved, and the figures behind it."""
+
+    rule: str
+    sampler: str
+    state: str  # pending | firing | resolved
+    onset_step: int
+    fired_step: int | None
+    resolved_step: int | None
+    last_step: int
+    value: float
+    baseline: float
+    threshold: float
+    summary: str
+    description: str
+
+    @property
+    def severity(self) -> str:
+        return SEVERITY[self.rule]
+
+
+def evaluate(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
+    """Every alert episode the rules produce on this (run, sampler)'s history, oldest first."""
+    if not config.enabled:
+        return []
+    if sampler == "all":
+        return _reward_episodes(run, series, config)
+    return _template_episodes(run, sampler, series, config) + _entropy_episodes(run, sampler, series, config)
+
+
+def _baseline(values: Sequence[tuple[int, float]], steps: int) -> float | None:
+    return statistics.median(v for _, v in values[:steps]) if len(values) >= steps else None
+
+
+def _aligned(series: Series, *names: str) -> list[tuple[int, tuple[float, ...]]]:
+    """Steps where every named series has a value, with those values."""
+    maps = [dict(series.get(name, [])) for name in names]
+    steps = sorted(set.intersection(*(set(m) for m in maps))) if maps else []
+    return [(s, tuple(m[s] for m in maps)) for s in steps]
+
+
+def _machine(
+    steps: Sequence[int], holds: Sequence[bool], ready: Sequence[bool], resolve_window: int
+) -> list[tuple[int, int | None, int | None, int]]:
+    """(onset, fired, resolved, last) per episode; ``ready[i]``: long enough to fire at step i."""
+    episodes: list[tuple[int, int | None, int | None, int]] = []
+    onset: int | None = None
+    fired: int | None = None
+    clear = 0
+    for step, hold, can_fire in zip(steps, holds, ready, strict=True):
+        if fired is not None:  # firing: resolve after enough consecutive clear steps
+            clear = 0 if hold else clear + 1
+            if clear >= resolve_window:
+                assert onset is not None
+                episodes.append((onset, fired, step, step))
+                onset, fired, clear = None, None, 0
+            continue
+        if hold:
+            onset = step if onset is None else onset
+            if can_fire:
+                fired = step
+        else:
+            onset = None  # a pending condition that breaks is dropped
+    if onset is not None:
+        episodes.append((onset, fired, None, steps[-1]))
+    return episodes
+
+
+def _streaks(holds: Sequence[bool]) -> list[int]:
+    out, n = [], 0
+    for hold in holds:
+        n = n + 1 if hold else 0
+        out.append(n)
+    return out
+
+
+def _state(fired: int | None, resolved: int | None) -> str:
+    return "resolved" if resolved is not None else "firing" if fired is not None else "pending"
+
+
+def _template_episodes(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
+    signal = config.signal
+    uses_interval = signal == "mi_estimate" and config.use_intervals and "mi_estimate_ci_high" in series
+    tested = "mi_estimate_ci_high" if uses_interval else signal
+    rows = _aligned(series, signal, tested, "conditional_entropy_est")
+    signal_base = _baseline(series.get(signal, []), config.baseline_steps)
+    entropy_base = _baseline(series.get("conditional_entropy_est", []), config.baseline_steps)
+    if not rows or signal_base is None or entropy_base is None:
+        return []
+    level = config.signal_threshold
+    if signal_base > 0:  # a relative drop means nothing from a baseline at or below zero
+        level = max(level, (1 - config.drop_fraction) * signal_base)
+    holds = [
+        tested_value < level and abs(entropy - entropy_base) <= config.entropy_band * abs(entropy_base)
+        for _, (_, tested_value, entropy) in rows
+    ]
+    ready = [n >= config.window for n in _streaks(holds)]
+    episodes = []
+    values = dict(rows)
+    for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
+        value, tested_value, entropy = values[last]
+        streak = sum(1 for s, _ in rows if onset <= s <= last)
+        bound = f" (95% interval up to {tested_value:.4g})" if uses_interval else ""
+        summary = (
+            f"{TEMPLATE} on run {run} ({sampler}) at step {last}: {signal} {value:.4g}{bound} fell below "
+            f"{level:.4g} (baseline {signal_base:.4g}) over {streak} scored steps since step {onset}, while "
+            f"H(Z|X) {entropy:.4g} stayed within {config.entropy_band:.0%} of its baseline {entropy_base:.4g}"
+        )
+        description = (
+            "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "
+            "collapse). Check which prompts lost input dependence in the per-prompt breakdown of the latest batch "
+            "(GET /v1/batches/{id}); enable SNR-aware filtering (RAGEN's rollout filter, top_p 0.9) or lower its "
+            "top_p; lower the KL or entropy-regularization weight."
+        )
+        episodes.append(
+            Episode(
+                TEMPLATE,
+                sampler,
+                _state(fired, resolved),
+                onset,
+                fired,
+                resolved,
+                last,
+                value,
+                signal_base,
+                level,
+                summary,
+                description,
+            )
+        )
+    return episodes
+
+
+def _entropy_episodes(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
+    name = config.entropy_signal
+    rows = series.get(name, [])
+    base = _baseline(rows, config.baseline_steps)
+    if not rows or base is None or base <= 0:
+        return []
+    floor = config.entropy_floor * base
+    holds = [value < floor for _, value in rows]
+    ready = [n >= config.window for n in _streaks(holds)]
+    values = dict(rows)
+    episodes = []
+    for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
+        summary = (
+            f"{ENTROPY} on run {run} ({sampler}) at step {last}: {name} {values[last]:.4g} fell below "
+            f"{config.entropy_floor:.0%} of its baseline {base:.4g} (since step {onset})"
+        )
+        description = (
+            "Reasoning became (nearly) deterministic for each input. Raise the rollout temperature or the "
+            "entropy bonus, or lower the learning rate; watch whether MI follows."
+        )
+        episodes.append(
+            Episode(
+                ENTROPY,
+                sampler,
+                _state(fired, resolved),
+                onset,
+                fired,
+                resolved,
+                last,
+                values[last],
+                base,
+                floor,
+                summary,
+                description,
+            )
+        )
+    return episodes
+
+
+def _reward_episodes(run: str, series: Series, config: AlertConfig) -> list[Episode]:
+    std_name, zero_name = "rollout/in_group_reward_std", "zero_variance_group_ratio"
+    rows = _aligned(series, std_name, zero_name)
+    base = _baseline(series.get(std_name, []), config.baseline_steps)
+    if not rows or base is None:
+        return []
+    low_std = [std < config.reward_std_fraction * base for _, (std, _) in rows]
+    many_zero = [zero > config.zero_variance_ratio for _, (_, zero) in rows]
+    holds = [a or b for a, b in zip(low_std, many_zero, strict=True)]
+    ready = [
+        a >= config.reward_window or b >= config.window
+        for a, b in zip(_streaks(low_std), _streaks(many_zero), strict=True)
+    ]
+    values = dict(rows)
+    kept = dict(series.get("rollout/filter_kept_ratio", []))
+    episodes = []
+    for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
+        std, zero = values[last]
+        summary = (
+            f"{REWARD} on run {run} at step {last}: mean in-group reward std {std:.4g} "
+            f"(baseline {base:.4g}), {zero:.0%} of prompt groups without reward variance (since step {onset})"
+        )
+        advice = (
+            f" On step {last} a top_p 0.9 filter would keep {kept[last]:.0%} of the groups." if last in kept else ""
+        )
+        description = (
+            "Rewards barely vary within prompt groups, so policy-gradient updates carry little signal relative to "
+            "noise: the low-SNR regime that drives template collapse. Enable SNR-aware filtering (RAGEN's rollout "
+            "filter: strategy top_p, linear, value 0.9) to train on the groups with the most reward spread; if it "
+            f"is on, lower its value (e.g. 0.7).{advice}"
+        )
+        episodes.append(
+            Episode(
+                REWARD,
+                "all",
+                _state(fired, resolved),
+                onset,
+                fired,
+                resolved,
+                last,
+                std,
+                base,
+                config.reward_std_fraction * base,
+                summary,
+                description,
+            )
+        )
+    return episodes
+
+
+def needed_series(config: AlertConfig) -> tuple[str, ...]:
+    """The stored names the rules read."""
+    return (
+        config.signal,
+        "mi_estimate_ci_high",
+        "conditional_entropy_est",
+        config.entropy_signal,
+        "rollout/in_group_reward_std",
+        "zero_variance_group_ratio",
+        "rollout/filter_kept_ratio",
+    )

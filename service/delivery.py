@@ -1,0 +1,174 @@
+"""Alert delivery: what each receiver is sent, and the dispatcher that sends it.
+
+Notifications are written to ``alert_deliveries`` in the same transaction as the alert change
+that caused them (an outbox), so a crash between deciding and sending loses nothing. The
+dispatcher leases due notifications, POSTs them, and on failure retries with exponential backoff
+(``delivery_backoff_seconds`` doubling up to ``delivery_backoff_max_seconds``); after
+``delivery_max_attempts`` a notification is marked failed, kept with its last error, and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.settings import Settings
+from service.storage import queries
+from service.storage.tables import Alert, AlertDelivery, utcnow
+
+log = logging.getLogger("collapse_monitor.delivery")
+ICONS = {"firing": ":rotating_light:", "resolved": ":white_check_mark:"}
+
+
+def alert_document(alert: Alert, run: str) -> dict[str, Any]:
+    return {
+        "rule": alert.rule,
+        "severity": alert.severity,
+        "run": run,
+        "sampler": alert.sampler,
+        "state": alert.state,
+        "onset_step": alert.onset_step,
+        "fired_step": alert.fired_step,
+        "resolved_step": alert.resolved_step,
+        "step": alert.last_step,
+        "value": alert.value,
+        "baseline": alert.baseline,
+        "threshold": alert.threshold,
+        "summary": alert.summary,
+        "description": alert.description,
+    }
+
+
+def notifications(alert: Alert, run: str, event: str, settings: Settings) -> list[AlertDelivery]:
+    """The deliveries one alert event owes every configured receiver."""
+    document = alert_document(alert, run)
+    out = [
+        AlertDelivery(
+            receiver="webhook", url=url, event=event, payload={"version": 1, "event": event, "alert": document}
+        )
+        for url in settings.alert_webhooks
+    ]
+    text = f"{ICONS.get(event, '')} *{alert.rule}* ({alert.severity}) {event} on run `{run}`: {alert.summary}"
+    out += [
+        AlertDelivery(receiver="slack", url=url, event=event, payload={"text": text})
+        for url in settings.alert_slack_webhooks
+    ]
+    if settings.alertmanager_url:
+        out.append(
+            AlertDelivery(
+                receiver="alertmanager",
+                url=settings.alertmanager_url.rstrip("/") + "/api/v2/alerts",
+                event=event,
+                payload={"alerts": [alertmanager_alert(alert, run, event, settings.public_url)]},
+            )
+        )
+    for delivery in out:
+        delivery.status, delivery.attempts, delivery.next_attempt_at = "pending", 0, utcnow()
+    return out
+
+
+def alertmanager_alert(alert: Alert, run: str, event: str, public_url: str) -> dict[str, Any]:
+    """Alertmanager v2 alert: a firing one is valid for an hour and refreshed at every scored step."""
+    now = utcnow()
+    starts = queries.as_utc(alert.created_at) or now
+    ends = now if event == "resolved" else now + timedelta(hours=1)
+    return {
+        "labels": {
+            "alertname": alert.rule,
+            "severity": alert.severity,
+            "run": run,
+            "sampler": alert.sampler,
+            "service": "collapse-monitor",
+        },
+        "annotations": {"summary": alert.summary, "description": alert.description},
+        "startsAt": _iso(starts),
+        "endsAt": _iso(ends),
+        "generatorURL": f"{public_url.rstrip('/')}/v1/runs/{run}/alerts" if public_url else "",
+    }
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+class Dispatcher:
+    """Sends due notifications; any number of dispatchers may share the database."""
+
+    def __init__(self, sessions: sessionmaker[Session], settings: Settings, client: httpx.Client) -> None:
+        self.sessions = sessions
+        self.settings = settings
+        self.client = client
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+    def run(self, stop: threading.Event, poll_seconds: float = 0.5) -> None:
+        while not stop.is_set():
+            try:
+                sent = self.run_once()
+            except Exception:
+                log.exception("dispatcher %s: a delivery round failed", self.owner)
+                sent = 0
+            if not sent:
+                stop.wait(poll_seconds)
+
+    def run_once(self, limit: int = 20) -> int:
+        """Tries every due notification once; returns how many it tried."""
+        with self.sessions.begin() as session:
+            claimed = [(d.id, d.url, d.payload) for d in queries.claim_deliveries(session, self.owner, 60.0, limit)]
+        for delivery_id, url, payload in claimed:
+            body = payload["alerts"] if "alerts" in payload and url.endswith("/api/v2/alerts") else payload
+            error = self._post(url, body)
+            with self.sessions.begin() as session:
+                delivery = session.get(AlertDelivery, delivery_id)
+                if delivery is None or delivery.lease_owner != self.owner:
+                    continue  # another dispatcher took it over after our lease ran out
+                self._record(delivery, error)
+        return len(claimed)
+
+    def _post(self, url: str, body: Any) -> str | None:
+        try:
+            response = self.client.post(url, json=body, timeout=10.0)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+        if response.is_success:
+            return None
+        return f"HTTP {response.status_code}: {response.text[:500]}"
+
+    def _record(self, delivery: AlertDelivery, error: str | None) -> None:
+        delivery.attempts += 1
+        delivery.lease_owner = None
+        if error is None:
+            delivery.status, delivery.delivered_at, delivery.last_error = "delivered", utcnow(), None
+            return
+        delivery.last_error = error
+        if delivery.attempts >= self.settings.delivery_max_attempts:
+            delivery.status = "failed"
+            log.error("alert delivery %s to %s failed for good: %s", delivery.id, delivery.url, error)
+            return
+        delay = min(
+            self.settings.delivery_backoff_seconds * 2 ** (delivery.attempts - 1),
+            self.settings.delivery_backoff_max_seconds,
+        )
+        delivery.status, delivery.next_attempt_at = "pending", utcnow() + timedelta(seconds=delay)
+        log.warning(
+            "alert delivery %s to %s failed (try %d), retrying in %.1fs: %s",
+            delivery.id,
+            delivery.url,
+            delivery.attempts,
+            delay,
+            error,
+        )
+
+
+def start_in_thread(dispatcher: Dispatcher) -> tuple[threading.Thread, threading.Event]:
+    stop = threading.Event()
+    thread = threading.Thread(target=dispatcher.run, args=(stop,), name="collapse-monitor-alerts", daemon=True)
+    thread.start()
+    return thread, stop

@@ -1,0 +1,115 @@
+"""Alert rules on hand-built series: when they fire, resolve, stay quiet, and what they say."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.alerts import AlertConfig, evaluate
+
+
+def steps(values, start=1):
+    return [(start + i, float(v)) for i, v in enumerate(values)]
+
+
+def template_series(signal, entropy=None):
+    n = len(signal)
+    return {"mi_zscore_ema": steps(signal), "conditional_entropy_est": steps(entropy or [2.0] * n)}
+
+
+def test_template_collapse_fires_after_the_window_and_names_run_step_values_and_onset():
+    signal = [4.0, 4.2, 3.8, 4.1, 4.0, 3.9, 1.0, 0.9, 0.8, 0.7]  # baseline = median of the first 5 = 4.0
+    (episode,) = evaluate("ppo-7", "first_turn", template_series(signal), AlertConfig())
+    assert (episode.rule, episode.state, episode.severity) == ("TemplateCollapse", "firing", "critical")
+    assert (episode.onset_step, episode.fired_step, episode.last_step) == (7, 9, 10)
+    assert episode.baseline == 4.0
+    assert episode.threshold == 2.0  # 50% below the baseline beats the absolute 0.0
+    assert episode.summary.startswith(
+        "TemplateCollapse on run ppo-7 (first_turn) at step 10: mi_zscore_ema 0.7 fell below 2 (baseline 4) "
+        "over 4 scored steps since step 7, while H(Z|X) 2 stayed within 25% of its baseline 2"
+    )
+    assert "per-prompt breakdown" in episode.description
+
+
+def test_one_noisy_step_neither_fires_nor_resolves():
+    quiet = [4.0] * 5 + [1.0, 4.0, 1.0, 1.0, 4.0, 4.0]  # never 3 low steps in a row
+    assert evaluate("r", "s", template_series(quiet), AlertConfig()) == []
+    firing = [4.0] * 5 + [1.0, 1.0, 1.0, 4.0, 1.0, 4.0, 4.0]
+    (episode,) = evaluate("r", "s", template_series(firing), AlertConfig())
+    assert (episode.fired_step, episode.resolved_step, episode.state) == (8, 12, "resolved")
+
+
+def test_a_condition_still_short_of_the_window_is_pending():
+    (episode,) = evaluate("r", "s", template_series([4.0] * 5 + [1.0, 1.0]), AlertConfig())
+    assert (episode.state, episode.onset_step, episode.fired_step) == ("pending", 6, None)
+
+
+def test_nothing_is_judged_before_the_baseline_exists():
+    assert evaluate("r", "s", template_series([4.0, 0.1, 0.1, 0.1]), AlertConfig()) == []
+
+
+def test_an_input_dependence_drop_with_collapsing_entropy_is_entropy_collapse_not_template():
+    signal = [4.0] * 5 + [1.0] * 4
+    entropy = [2.0] * 5 + [0.5] * 4
+    episodes = evaluate("r", "s", template_series(signal, entropy), AlertConfig())
+    assert [(e.rule, e.state, e.onset_step) for e in episodes] == [("EntropyCollapse", "firing", 6)]
+    assert "fell below 50% of its baseline 2" in episodes[0].summary
+
+
+def test_the_absolute_threshold_catches_a_run_that_never_had_dependence():
+    series = template_series([-0.1, 0.05, -0.2, 0.0, -0.05, -0.1, -0.2, -0.1])
+    (episode,) = evaluate("r", "s", series, AlertConfig())
+    assert episode.threshold == 0.0  # baseline <= 0: only the absolute level applies
+    assert (episode.onset_step, episode.fired_step) == (5, 7)  # 0.05 and 0.0 at steps 2 and 4 are not below
+
+
+def test_mi_estimate_uses_the_upper_end_of_its_interval_to_ignore_noise():
+    mi = [0.8] * 5 + [0.1, 0.1, 0.1]
+    noisy = {
+        "mi_estimate": steps(mi),
+        "mi_estimate_ci_high": steps([1.0] * 5 + [0.45, 0.5, 0.45]),  # the interval still reaches 0.4
+        "conditional_entropy_est": steps([2.0] * 8),
+    }
+    config = AlertConfig(signal="mi_estimate")
+    assert evaluate("r", "s", noisy, config) == []
+    assert len(evaluate("r", "s", noisy, config.model_copy(update={"use_intervals": False}))) == 1
+    tight = noisy | {"mi_estimate_ci_high": steps([1.0] * 5 + [0.2, 0.2, 0.2])}
+    (episode,) = evaluate("r", "s", tight, config)
+    assert "(95% interval up to 0.2)" in episode.summary
+
+
+def test_low_reward_signal_follows_ragens_ten_step_rule():
+    std = [0.5] * 5 + [0.04] * 10
+    series = {
+        "rollout/in_group_reward_std": steps(std),
+        "zero_variance_group_ratio": steps([0.1] * 15),
+        "rollout/filter_kept_ratio": steps([0.4] * 15),
+    }
+    (episode,) = evaluate("r", "all", series, AlertConfig())
+    assert (episode.rule, episode.fired_step, episode.onset_step) == ("LowRewardSignal", 15, 6)
+    assert "top_p" in episode.description
+    assert "On step 15 a top_p 0.9 filter would keep 40% of the groups." in episode.description
+    nine = {k: v[:14] for k, v in series.items()}
+    assert evaluate("r", "all", nine, AlertConfig())[0].state == "pending"
+
+
+def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
+    series = {
+        "rollout/in_group_reward_std": steps([0.5] * 8),
+        "zero_variance_group_ratio": steps([0.1] * 5 + [0.75] * 3),
+    }
+    (episode,) = evaluate("r", "all", series, AlertConfig())
+    assert (episode.fired_step, episode.state) == (8, "firing")
+    assert "75% of prompt groups without reward variance" in episode.summary
+
+
+def test_rules_can_be_disabled_and_tuned_per_run():
+    series = template_series([4.0] * 5 + [1.0] * 3)
+    assert evaluate("r", "s", series, AlertConfig(enabled=False)) == []
+    assert evaluate("r", "s", series, AlertConfig(drop_fraction=0.9)) == []
+    assert evaluate("r", "s", series, AlertConfig(window=5))[0].state == "pending"
+
+
+@pytest.mark.parametrize(("field", "value"), [("drop_fraction", 0), ("window", 0), ("entropy_floor", 1.5)])
+def test_invalid_thresholds_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        AlertConfig(**{field: value})
