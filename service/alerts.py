@@ -50,7 +50,7 @@ class AlertConfig(BaseModel):
         description="Absolute level the signal must stay above; default per signal: mi_zscore_ema 0.0, "
         "retrieval_above_chance 0.02, mi_estimate 0.01 nats.",
     )
-    drop_fraction: float = Field(0.5, gt=0, le=1, description="Relative drop from the baseline that counts.")
+    drop_fraction: float = Field(0.4, gt=0, le=1, description="Relative drop from the baseline that counts.")
     baseline_steps: int = Field(5, ge=1, description="Scored steps whose median is the baseline.")
     window: int = Field(3, ge=1, description="Consecutive scored steps a condition must hold to fire.")
     resolve_window: int = Field(2, ge=1, description="Consecutive scored steps without it to resolve.")
@@ -63,7 +63,9 @@ class AlertConfig(BaseModel):
     reward_window: int = Field(10, ge=1, description="LowRewardSignal: consecutive steps of low reward std.")
     zero_variance_ratio: float = Field(0.5, gt=0, le=1, description="LowRewardSignal: zero-variance group share.")
     use_intervals: bool = Field(
-        True, description="With signal mi_estimate, count a step only when its whole bootstrap interval is low."
+        True,
+        description="Count a step only when the whole bootstrap interval of mi_estimate is below the same relative "
+        "level of its baseline (ignored when the series carries no intervals).",
     )
 
     @property
@@ -154,30 +156,38 @@ def _state(fired: int | None, resolved: int | None) -> str:
 
 def _template_episodes(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
     signal = config.signal
-    uses_interval = signal == "mi_estimate" and config.use_intervals and "mi_estimate_ci_high" in series
-    tested = "mi_estimate_ci_high" if uses_interval else signal
-    rows = _aligned(series, signal, tested, "conditional_entropy_est")
+    rows = _aligned(series, signal, "conditional_entropy_est")
     signal_base = _baseline(series.get(signal, []), config.baseline_steps)
     entropy_base = _baseline(series.get("conditional_entropy_est", []), config.baseline_steps)
     if not rows or signal_base is None or entropy_base is None:
         return []
-    level = config.signal_threshold
-    if signal_base > 0:  # a relative drop means nothing from a baseline at or below zero
-        level = max(level, (1 - config.drop_fraction) * signal_base)
+    level = _level(config.signal_threshold, signal_base, config.drop_fraction)
+    # Noise guard: a step also needs the whole bootstrap interval of the MI estimate below the same
+    # relative level of its own baseline, so one batch's sampling noise cannot count as a drop.
+    ci_high = dict(series.get("mi_estimate_ci_high", []))
+    mi_base = _baseline(series.get("mi_estimate", []), config.baseline_steps)
+    confirm = config.use_intervals and bool(ci_high) and mi_base is not None
+    mi_level = _level(SIGNAL_THRESHOLDS["mi_estimate"], mi_base or 0.0, config.drop_fraction)
     holds = [
-        tested_value < level and abs(entropy - entropy_base) <= config.entropy_band * abs(entropy_base)
-        for _, (_, tested_value, entropy) in rows
+        value < level
+        and abs(entropy - entropy_base) <= config.entropy_band * abs(entropy_base)
+        and (not confirm or ci_high.get(step, float("inf")) < mi_level)
+        for step, (value, entropy) in rows
     ]
     ready = [n >= config.window for n in _streaks(holds)]
     episodes = []
     values = dict(rows)
     for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
-        value, tested_value, entropy = values[last]
+        value, entropy = values[last]
         streak = sum(1 for s, _ in rows if onset <= s <= last)
-        bound = f" (95% interval up to {tested_value:.4g})" if uses_interval else ""
+        bound = (
+            f" (the 95% interval of mi_estimate reaches {ci_high[last]:.4g}, under {mi_level:.4g})"
+            if confirm and last in ci_high
+            else ""
+        )
         summary = (
-            f"{TEMPLATE} on run {run} ({sampler}) at step {last}: {signal} {value:.4g}{bound} fell below "
-            f"{level:.4g} (baseline {signal_base:.4g}) over {streak} scored steps since step {onset}, while "
+            f"{TEMPLATE} on run {run} ({sampler}) at step {last}: {signal} {value:.4g} fell below "
+            f"{level:.4g} (baseline {signal_base:.4g}){bound} over {streak} scored steps since step {onset}, while "
             f"H(Z|X) {entropy:.4g} stayed within {config.entropy_band:.0%} of its baseline {entropy_base:.4g}"
         )
         description = (
@@ -203,6 +213,12 @@ def _template_episodes(run: str, sampler: str, series: Series, config: AlertConf
             )
         )
     return episodes
+
+
+def _level(threshold: float, baseline: float, drop_fraction: float) -> float:
+    """Below this a signal counts as low: the absolute threshold, or the relative drop when higher."""
+    # A relative drop means nothing from a baseline at or below zero.
+    return max(threshold, (1 - drop_fraction) * baseline) if baseline > 0 else threshold
 
 
 def _entropy_episodes(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
@@ -298,6 +314,7 @@ def needed_series(config: AlertConfig) -> tuple[str, ...]:
     """The stored names the rules read."""
     return (
         config.signal,
+        "mi_estimate",
         "mi_estimate_ci_high",
         "conditional_entropy_est",
         config.entropy_signal,

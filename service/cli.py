@@ -10,6 +10,8 @@
                                                  a scoring worker process sharing the database
     collapse-monitor demo    [--url URL] [--steps N]
                                                  feed a running server a simulated run that collapses
+    collapse-monitor dashboards push --url URL --token TOKEN
+                                                 upload the Grafana dashboards
 
 FILE may be ``-`` for stdin. Results go to stdout as one JSON document. Bad input exits with
 code 2 and one line on stderr naming the field and what was wrong; never a traceback.
@@ -96,7 +98,27 @@ def _build_parser() -> _Parser:
     demo.add_argument("--steps", type=int, default=24, help="training steps to send (default 24)")
     demo.add_argument("--collapse-start", type=int, default=10, help="step where collapse sets in (default 10)")
     demo.set_defaults(command=_run_demo)
+
+    dashboards = commands.add_parser("dashboards", help="Grafana dashboards")
+    dashboard_commands = dashboards.add_subparsers(required=True, metavar="ACTION", parser_class=_Parser)
+    push = dashboard_commands.add_parser("push", help="upload the dashboards to a Grafana (needs grafana-client)")
+    push.add_argument("--url", required=True, help="Grafana base URL, e.g. http://grafana:3000")
+    push.add_argument("--token", required=True, help="a Grafana service-account token allowed to write dashboards")
+    push.add_argument("--folder", type=Path, help="folder of dashboard JSON files (default: the bundled ones)")
+    push.add_argument("--folder-title", default="collapse-monitor", help="Grafana folder to put them in")
+    push.set_defaults(command=_run_dashboards_push)
     return parser
+
+
+def _run_dashboards_push(args: argparse.Namespace) -> Any:
+    try:
+        from service.dashboards import DASHBOARDS_DIR, DashboardPushError, push_dashboards
+    except ImportError as e:
+        raise UsageError(f"dashboards push needs grafana-client: pip install 'collapse-monitor[grafana]' ({e})") from e
+    try:
+        return push_dashboards(args.url, args.token, args.folder or DASHBOARDS_DIR, args.folder_title)
+    except DashboardPushError as e:
+        raise UsageError(f"dashboards push: {e}") from e
 
 
 def _run_demo(args: argparse.Namespace) -> Any:

@@ -587,15 +587,10 @@ def test_push_creates_the_folder_and_saves_every_dashboard_with_overwrite(grafan
     assert fake.requests[1].body == {"title": "collapse-monitor", "uid": "collapse-monitor"}
     files = dashboards()
     uploads = [r.body for r in fake.requests[2:]]
-    assert [u["dashboard"]["uid"] for u in uploads] == [files["fleet.json"]["uid"], files["run.json"]["uid"]]
-    for upload in uploads:
+    for upload, name in zip(uploads, ["fleet.json", "run.json"], strict=True):  # one per file, in name order
         assert upload["overwrite"] is True
         assert upload["folderUid"] == "collapse-monitor"
-        assert upload["dashboard"]["id"] is None
-        assert (
-            upload["dashboard"]["panels"]
-            == files[f"{upload['dashboard']['uid'].removeprefix('collapse-monitor-')}.json"]["panels"]
-        )
+        assert upload["dashboard"] == {**files[name], "id": None}
     assert [a["uid"] for a in answers] == ["collapse-monitor-fleet", "collapse-monitor-run"]
     assert all(a["status"] == "success" for a in answers)
 
@@ -668,3 +663,14 @@ def test_an_unreachable_grafana_and_bad_arguments_are_clear_errors(tmp_path):
         push_dashboards("grafana", "t")
     with pytest.raises(ValueError, match=r"^folder must hold the dashboards' \*\.json files, found none in "):
         push_dashboards("http://127.0.0.1:1", "t", folder=tmp_path)
+
+
+def test_a_broken_dashboard_file_is_named_and_nothing_is_sent(grafana, tmp_path):
+    fake, url = grafana
+    (tmp_path / "a.json").write_text(json.dumps(dashboards()["run.json"]))
+    (tmp_path / "b.json").write_text('{"title": "no closing brace"')
+
+    with pytest.raises(ValueError, match=r"b\.json must be a dashboard's JSON: "):
+        push_dashboards(url, "t", folder=tmp_path)
+
+    assert fake.requests == []

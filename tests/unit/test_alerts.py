@@ -22,9 +22,9 @@ def test_template_collapse_fires_after_the_window_and_names_run_step_values_and_
     assert (episode.rule, episode.state, episode.severity) == ("TemplateCollapse", "firing", "critical")
     assert (episode.onset_step, episode.fired_step, episode.last_step) == (7, 9, 10)
     assert episode.baseline == 4.0
-    assert episode.threshold == 2.0  # 50% below the baseline beats the absolute 0.0
+    assert episode.threshold == pytest.approx(2.4)  # 40% below the baseline beats the absolute 0.0
     assert episode.summary.startswith(
-        "TemplateCollapse on run ppo-7 (first_turn) at step 10: mi_zscore_ema 0.7 fell below 2 (baseline 4) "
+        "TemplateCollapse on run ppo-7 (first_turn) at step 10: mi_zscore_ema 0.7 fell below 2.4 (baseline 4) "
         "over 4 scored steps since step 7, while H(Z|X) 2 stayed within 25% of its baseline 2"
     )
     assert "per-prompt breakdown" in episode.description
@@ -62,19 +62,21 @@ def test_the_absolute_threshold_catches_a_run_that_never_had_dependence():
     assert (episode.onset_step, episode.fired_step) == (5, 7)  # 0.05 and 0.0 at steps 2 and 4 are not below
 
 
-def test_mi_estimate_uses_the_upper_end_of_its_interval_to_ignore_noise():
-    mi = [0.8] * 5 + [0.1, 0.1, 0.1]
+@pytest.mark.parametrize("signal", ["mi_estimate", "mi_zscore_ema"])
+def test_a_drop_within_the_bootstrap_noise_of_the_mi_estimate_does_not_count(signal):
+    low = [0.8] * 5 + [0.1, 0.1, 0.1]  # baseline 0.8: the level is 60% of it, 0.48
     noisy = {
-        "mi_estimate": steps(mi),
-        "mi_estimate_ci_high": steps([1.0] * 5 + [0.45, 0.5, 0.45]),  # the interval still reaches 0.4
+        "mi_estimate": steps(low),
+        "mi_zscore_ema": steps([4.0] * 5 + [0.5] * 3),
+        "mi_estimate_ci_high": steps([1.0] * 5 + [0.55, 0.5, 0.55]),  # the interval still reaches the level
         "conditional_entropy_est": steps([2.0] * 8),
     }
-    config = AlertConfig(signal="mi_estimate")
+    config = AlertConfig(signal=signal)
     assert evaluate("r", "s", noisy, config) == []
     assert len(evaluate("r", "s", noisy, config.model_copy(update={"use_intervals": False}))) == 1
     tight = noisy | {"mi_estimate_ci_high": steps([1.0] * 5 + [0.2, 0.2, 0.2])}
     (episode,) = evaluate("r", "s", tight, config)
-    assert "(95% interval up to 0.2)" in episode.summary
+    assert "(the 95% interval of mi_estimate reaches 0.2, under 0.48)" in episode.summary
 
 
 def test_low_reward_signal_follows_ragens_ten_step_rule():
@@ -105,7 +107,7 @@ def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
 def test_rules_can_be_disabled_and_tuned_per_run():
     series = template_series([4.0] * 5 + [1.0] * 3)
     assert evaluate("r", "s", series, AlertConfig(enabled=False)) == []
-    assert evaluate("r", "s", series, AlertConfig(drop_fraction=0.9)) == []
+    assert evaluate("r", "s", series, AlertConfig(drop_fraction=0.9)) == []  # 1.0 is not below 0.4
     assert evaluate("r", "s", series, AlertConfig(window=5))[0].state == "pending"
 
 
