@@ -90,33 +90,37 @@ class MatrixSteps(_Strict):
     steps: list[MatrixInput] = Field(min_length=1, description="Steps processed in order by one estimator.")
 
 
-class FilterRequest(_Strict):
+_FILTER = FilterConfig()  # RAGEN's defaults live in scoring.snr_filter; the wire format reuses them
+
+
+class FilterSettings(_Strict):
+    """RAGEN's rollout-filter settings: the run's SNR-aware filter, whose advice every batch reports."""
+
+    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = _FILTER.strategy  # type: ignore[assignment]  # FilterConfig types it as str
+    value: float = Field(_FILTER.value, ge=0, description="top_p mass, top_k fraction, top_k_abs count or min_p ratio.")
+    filter_type: Literal["largest", "smallest"] = _FILTER.filter_type  # type: ignore[assignment]  # FilterConfig types it as str
+    include_zero: bool = Field(
+        _FILTER.include_zero, description="When false, groups scoring |s| <= 1e-10 are dropped first."
+    )
+    top_p_prob_mode: Literal["linear", "softmax"] = _FILTER.top_p_prob_mode  # type: ignore[assignment]  # FilterConfig types it as str
+    selection_eps: float = Field(
+        _FILTER.selection_eps, ge=0, description="Slack subtracted from the linear top_p threshold."
+    )
+    metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = Field(
+        _FILTER.metric,  # type: ignore[arg-type]  # FilterConfig types it as str
+        description="Ranking score: group reward std (reward_variance, as RAGEN names it), mean or sum.",
+    )
+
+    def filter_config(self) -> FilterConfig:
+        return FilterConfig(**self.model_dump(exclude={"rewards"}))
+
+
+class FilterRequest(FilterSettings):
     """SNR-aware filter advice: the ``collapse-monitor filter`` input (RAGEN's rollout filter)."""
 
     rewards: list[Annotated[list[FiniteFloat], Field(min_length=1)]] = Field(
         min_length=1, description="One list of rewards per group (the rollouts of one prompt)."
     )
-    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = "top_p"
-    value: float = Field(0.9, ge=0, description="top_p mass, top_k fraction, top_k_abs count or min_p ratio.")
-    filter_type: Literal["largest", "smallest"] = "largest"
-    include_zero: bool = Field(True, description="When false, groups scoring |s| <= 1e-10 are dropped first.")
-    top_p_prob_mode: Literal["linear", "softmax"] = "linear"
-    selection_eps: float = Field(0.01, ge=0, description="Slack subtracted from the linear top_p threshold.")
-    metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = Field(
-        "reward_variance",
-        description="Ranking score: group reward std (reward_variance, as RAGEN names it), mean or sum.",
-    )
-
-    def filter_config(self) -> FilterConfig:
-        return FilterConfig(
-            strategy=self.strategy,
-            value=self.value,
-            filter_type=self.filter_type,
-            include_zero=self.include_zero,
-            top_p_prob_mode=self.top_p_prob_mode,
-            selection_eps=self.selection_eps,
-            metric=self.metric,
-        )
 
 
 class FilterResponse(_Strict):
@@ -187,21 +191,6 @@ class SamplerSettings(_Strict):
     )
     num_samples: int | None = Field(64, ge=2, description="Rows drawn per sampler; null = all usable rows.")
     seed: int = Field(0, ge=0, description="Draws at step s use RandomState([seed, s, sampler index]).")
-
-
-class FilterSettings(_Strict):
-    """The SNR filter whose advice (what it would keep) is reported for every batch."""
-
-    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = "top_p"
-    value: float = Field(0.9, ge=0)
-    filter_type: Literal["largest", "smallest"] = "largest"
-    include_zero: bool = True
-    top_p_prob_mode: Literal["linear", "softmax"] = "linear"
-    selection_eps: float = Field(0.01, ge=0)
-    metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = "reward_variance"
-
-    def filter_config(self) -> FilterConfig:
-        return FilterConfig(**self.model_dump())
 
 
 class RunCreate(_Strict):
