@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,16 +108,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(BodyTooLarge, _body_too_large)  # type: ignore[arg-type]  # as above
     app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next: Callable[[Request], Awaitable[Any]]) -> Any:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        template = getattr(route, "path", "unmatched")
-        state: AppState | None = getattr(request.app.state, "monitor", None)
-        if state is not None:
-            state.metrics.requests.labels(request.method, template, str(response.status_code)).inc()
-        return response
-
+    app.add_middleware(_CountRequests)
     return app
 
 
@@ -151,6 +142,33 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
         for e in error.errors()
     ]
     return JSONResponse({"error": "validation", "detail": detail}, status_code=422)
+
+
+class _CountRequests:
+    """Counts answered requests by method, route template and status (plain ASGI: no body copies)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = "500"
+
+        async def capture(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
+            if state is not None:
+                template = getattr(scope.get("route"), "path", "unmatched")
+                state.metrics.requests.labels(scope["method"], template, status).inc()
 
 
 class _BodyLimit:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -85,10 +84,19 @@ class ScoredBatch:
 # Ingest ---------------------------------------------------------------------------------------
 
 
-def content_hash(payload: BaseModel) -> str:
-    """SHA-256 of the payload's canonical JSON: replays match whatever their key order or spacing."""
-    canonical = json.dumps(payload.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def content_hash(raw: bytes) -> str:
+    """SHA-256 of the body as sent: a retried request matches at the cost of one pass over its bytes."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def same_content(stored_payload: str, stored_hash: str, raw: bytes) -> bool:
+    """Whether a replayed body carries the stored content; key order and spacing do not matter."""
+    if content_hash(raw) == stored_hash:
+        return True
+    try:
+        return bool(json.loads(stored_payload) == json.loads(raw))
+    except json.JSONDecodeError:  # pragma: no cover - both bodies were validated JSON
+        return False
 
 
 def check_batch_limits(payload: BatchIn, settings: Settings) -> None:
@@ -129,10 +137,10 @@ def ingest_batch(
 ) -> BatchAccepted:
     """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
     check_batch_limits(payload, settings)
-    digest = content_hash(payload)
+    digest = content_hash(raw)
     with sessions.begin() as session:
         run = _run(session, run_name)
-        replay = _replay(session, run.id, payload.batch_id, digest)
+        replay = _replay(session, run.id, payload.batch_id, raw)
         if replay is not None:
             return replay
         if queries.queue_depth(session) >= settings.max_queue_depth:
@@ -157,7 +165,7 @@ def ingest_batch(
             session.flush()
         except IntegrityError:  # a concurrent request with the same batch_id won the race
             session.rollback()
-            return _replay_after_race(sessions, run_name, payload.batch_id, digest)
+            return _replay_after_race(sessions, run_name, payload.batch_id, raw)
     return BatchAccepted(batch_id=batch.id, status="queued", status_url=f"/v1/batches/{batch.id}")
 
 
@@ -168,13 +176,13 @@ def _run(session: Session, run_name: str) -> Run:
     return run
 
 
-def _replay(session: Session, run_id: int, client_batch_id: str | None, digest: str) -> BatchAccepted | None:
+def _replay(session: Session, run_id: int, client_batch_id: str | None, raw: bytes) -> BatchAccepted | None:
     if client_batch_id is None:
         return None
     existing = queries.batch_by_client_id(session, run_id, client_batch_id)
     if existing is None:
         return None
-    if existing.payload_sha256 != digest:
+    if not same_content(existing.payload, existing.payload_sha256, raw):
         raise Conflict(
             f"batch_id {client_batch_id!r} was already used for different content (batch {existing.id}); "
             "send new content under a new batch_id",
@@ -186,11 +194,11 @@ def _replay(session: Session, run_id: int, client_batch_id: str | None, digest: 
 
 
 def _replay_after_race(
-    sessions: sessionmaker[Session], run_name: str, client_batch_id: str | None, digest: str
+    sessions: sessionmaker[Session], run_name: str, client_batch_id: str | None, raw: bytes
 ) -> BatchAccepted:
     with sessions.begin() as session:
         run = _run(session, run_name)
-        replay = _replay(session, run.id, client_batch_id, digest)
+        replay = _replay(session, run.id, client_batch_id, raw)
     if replay is None:  # pragma: no cover - the unique constraint fired, so the row exists
         raise Conflict("batch_id conflict", field="batch_id")
     return replay
@@ -207,10 +215,10 @@ def ingest_matrix(
         L_tok, L_seq, columns = payload.arrays()
     except InputError as e:
         raise InvalidRequest(e.message, field=e.field) from e
-    digest = content_hash(payload)
+    digest = content_hash(raw)
     with sessions.begin() as session:
         run = _run(session, run_name)
-        replay = _replay(session, run.id, payload.batch_id, digest)
+        replay = _replay(session, run.id, payload.batch_id, raw)
         if replay is not None:
             stored = queries.batch_by_client_id(session, run.id, payload.batch_id or "")
             return replay, (stored.result if stored and stored.result else {})
