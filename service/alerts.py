@@ -10,8 +10,9 @@ process remembered:
 
 Rules (RAGEN-2: entropy stays flat while input dependence vanishes under template collapse):
     TemplateCollapse  the input-dependence signal falls below a threshold, or drops by more than
-                      ``drop_fraction`` from the run's baseline, while H(Z|X) stays within
-                      ``entropy_band`` of its baseline: the failure entropy cannot see.
+                      ``drop_fraction`` from the run's baseline, while H(Z|X) stays within its band
+                      (no more than ``entropy_band`` below its baseline, ``entropy_band_above``
+                      above): the failure entropy cannot see.
     EntropyCollapse   H(Z|X) (or the matched-pair token entropy) falls below ``entropy_floor`` of
                       its baseline: reasoning became deterministic per input.
     LowRewardSignal   the mean in-group reward std stays below ``reward_std_fraction`` of its
@@ -57,7 +58,15 @@ class AlertConfig(BaseModel):
     entropy_signal: Literal["conditional_entropy_est", "token_entropy_mean"] = Field(
         "conditional_entropy_est", description="The entropy EntropyCollapse watches."
     )
-    entropy_band: float = Field(0.25, gt=0, description="TemplateCollapse needs H(Z|X) within this relative band.")
+    entropy_band: float = Field(
+        0.25, gt=0, lt=1, description="TemplateCollapse needs H(Z|X) no lower than this share below its baseline."
+    )
+    entropy_band_above: float = Field(
+        2.0,
+        gt=0,
+        description="... and no higher than this share above it. Template reasoning often scores a higher per-token "
+        "entropy than grounded reasoning (it is generic text), so the band is wide upwards.",
+    )
     entropy_floor: float = Field(0.5, gt=0, lt=1, description="EntropyCollapse fires below this share of baseline.")
     reward_std_fraction: float = Field(0.1, gt=0, lt=1, description="LowRewardSignal: share of baseline reward std.")
     reward_window: int = Field(10, ge=1, description="LowRewardSignal: consecutive steps of low reward std.")
@@ -170,7 +179,7 @@ def _template_episodes(run: str, sampler: str, series: Series, config: AlertConf
     mi_level = _level(SIGNAL_THRESHOLDS["mi_estimate"], mi_base or 0.0, config.drop_fraction)
     holds = [
         value < level
-        and abs(entropy - entropy_base) <= config.entropy_band * abs(entropy_base)
+        and (1 - config.entropy_band) * entropy_base <= entropy <= (1 + config.entropy_band_above) * entropy_base
         and (not confirm or ci_high.get(step, float("inf")) < mi_level)
         for step, (value, entropy) in rows
     ]
@@ -188,7 +197,7 @@ def _template_episodes(run: str, sampler: str, series: Series, config: AlertConf
         summary = (
             f"{TEMPLATE} on run {run} ({sampler}) at step {last}: {signal} {value:.4g} fell below "
             f"{level:.4g} (baseline {signal_base:.4g}){bound} over {streak} scored steps since step {onset}, while "
-            f"H(Z|X) {entropy:.4g} stayed within {config.entropy_band:.0%} of its baseline {entropy_base:.4g}"
+            f"H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
         )
         description = (
             "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "

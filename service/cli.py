@@ -86,6 +86,7 @@ def _build_parser() -> _Parser:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     _service_flags(serve)
     serve.add_argument("--no-worker", action="store_true", help="do not score in this process")
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
     serve.set_defaults(command=_run_serve)
 
     worker = commands.add_parser("worker", help="run a scoring worker against the shared database")
@@ -168,7 +169,9 @@ def _run_serve(args: argparse.Namespace) -> Any:
 
     settings = service_settings(args)
     _configure_logging()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_config=None)
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=args.access_log
+    )
     return None
 
 

@@ -132,6 +132,10 @@ def run_demo(
             time.sleep(0.2)
         statuses.append(batch)
         report(summary(step, batch))
+    _, alerts = _call(f"{url}/v1/runs/{run}/alerts")
+    report(f"alerts on {run}: {len(alerts)}" if alerts else f"no alerts on {run}")
+    for alert in alerts:
+        report(f"  [{alert['state']}] {alert['summary']}")
     return statuses
 
 
