@@ -20,3 +20,10 @@ def test_scoring_imports_no_http_sql_or_prometheus():
 def test_wire_schemas_import_no_web_framework():
     loaded = modules_loaded_by("import service.schemas")
     assert not loaded & {"fastapi", "starlette", "sqlalchemy"}
+
+
+def test_storage_metrics_alerts_and_delivery_import_no_web_framework():
+    loaded = modules_loaded_by(
+        "import service.storage.queries, service.storage.database, service.metrics, service.alerts, service.delivery"
+    )
+    assert not loaded & {"fastapi", "starlette", "uvicorn"}
