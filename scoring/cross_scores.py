@@ -195,8 +195,8 @@ class _Run:
 
         One vocabulary projection per prompt serves every row's first token.
         """
-        rows = [r for r, z in enumerate(self.reasonings) if z]
-        if not rows:
+        rows = np.array([r for r, z in enumerate(self.reasonings) if z], dtype=np.int64)
+        if not rows.size:
             return
         first = torch.tensor([self.reasonings[r][0] for r in rows], device=self.device)
         chunk = self.config.logits_chunk_tokens
@@ -206,9 +206,8 @@ class _Run:
             entropy = entropy_from_logprobs(lp).double().cpu().numpy()  # [chunk]
             for i, u in enumerate(prompt_ids[start : start + chunk]):
                 self.L[rows, u] += logp[i]
-                for r in rows:
-                    if self.prompt_of_row[r] == u:
-                        self.entropy[r][0] = entropy[i]
+                for r in rows[self.prompt_of_row[rows] == u]:
+                    self.entropy[r][0] = entropy[i]
 
     def _score_pairs(
         self,

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from scoring import Scorer
 from scoring.estimators import EmaState
 from service import pipeline
+from service.alerting import update_alerts
 from service.errors import MonitorError
 from service.pipeline import RunSnapshot, ScoredBatch
 from service.schemas import BatchIn
@@ -155,7 +156,7 @@ class Worker:
             for sampler, ema in scored.ema.items():
                 queries.save_ema(session, claimed.run.id, sampler, claimed.step, ema)
             samplers = [*scored.result.get("samplers", {}), "all"]
-            pipeline.update_alerts(session, claimed.run, claimed.step, samplers, self.settings)
+            update_alerts(session, claimed.run, claimed.step, samplers, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
     def _finish_failed(self, claimed: Claimed, reason: str) -> None:
