@@ -137,7 +137,6 @@ def ingest_batch(
 ) -> BatchAccepted:
     """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
     check_batch_limits(payload, settings)
-    digest = content_hash(raw)
     with sessions.begin() as session:
         run = _run(session, run_name)
         replay = _replay(session, run.id, payload.batch_id, raw)
@@ -149,14 +148,12 @@ def ingest_batch(
                 retry_after=5,
             )
         checkpoint = queries.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
-        batch = Batch(
-            id=uuid.uuid4().hex,
-            run_id=run.id,
-            step=payload.step,
-            client_batch_id=payload.batch_id,
-            kind="rollouts",
-            payload=raw.decode(),
-            payload_sha256=digest,
+        batch = _new_batch(
+            run.id,
+            payload.step,
+            payload.batch_id,
+            "rollouts",
+            raw,
             checkpoint_id=checkpoint.id if checkpoint else None,
             status="queued",
         )
@@ -167,6 +164,20 @@ def ingest_batch(
             session.rollback()
             return _replay_after_race(sessions, run_name, payload.batch_id, raw)
     return BatchAccepted(batch_id=batch.id, status="queued", status_url=f"/v1/batches/{batch.id}")
+
+
+def _new_batch(run_id: int, step: int, client_batch_id: str | None, kind: str, raw: bytes, **fields: Any) -> Batch:
+    """A batch row holding the request body as sent, under a fresh id."""
+    return Batch(
+        id=uuid.uuid4().hex,
+        run_id=run_id,
+        step=step,
+        client_batch_id=client_batch_id,
+        kind=kind,
+        payload=raw.decode(),
+        payload_sha256=content_hash(raw),
+        **fields,
+    )
 
 
 def _run(session: Session, run_name: str) -> Run:
@@ -215,7 +226,6 @@ def ingest_matrix(
         L_tok, L_seq, columns = payload.arrays()
     except InputError as e:
         raise InvalidRequest(e.message, field=e.field) from e
-    digest = content_hash(raw)
     with sessions.begin() as session:
         run = _run(session, run_name)
         replay = _replay(session, run.id, payload.batch_id, raw)
@@ -230,14 +240,12 @@ def ingest_matrix(
             "samplers": {payload.sampler: _sampler_result(diagnostics, len(L_tok), L_tok.shape[1], {})},
             "scored": True,
         }
-        batch = Batch(
-            id=uuid.uuid4().hex,
-            run_id=run.id,
-            step=payload.step,
-            client_batch_id=payload.batch_id,
-            kind="matrix",
-            payload=raw.decode(),
-            payload_sha256=digest,
+        batch = _new_batch(
+            run.id,
+            payload.step,
+            payload.batch_id,
+            "matrix",
+            raw,
             status="done",
             result=result,
             scoring_seconds=0.0,
