@@ -7,8 +7,9 @@ environment; must never import service/.
 from scoring.batch import BatchError, ScoringBatch
 from scoring.config import ScoringConfig
 from scoring.cross_scores import CrossScores, ScoringError, score_batch
-from scoring.models import ModelLoadError, Scorer, load_scorer
 from scoring.reference import score_batch_naive
+from scoring.scorer import ModelLoadError, Scorer
+from scoring.verification import load_scorer, verify_scorer
 
 __all__ = [
     "BatchError",
@@ -21,4 +22,5 @@ __all__ = [
     "load_scorer",
     "score_batch",
     "score_batch_naive",
+    "verify_scorer",
 ]

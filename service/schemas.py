@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
 
+from scoring.estimators import per_token
 from scoring.snr_filter import FilterConfig
 from service.alerts import AlertConfig
 
@@ -80,7 +81,7 @@ class MatrixInput(_Strict):
         index = {g: j for j, g in enumerate(columns)}
         L_seq = np.array(self.L_seq, dtype=np.float64).reshape(len(self.row_group_ids), len(columns))
         if self.L_tok is None:
-            L_tok = L_seq / np.maximum(np.array(self.reasoning_lengths, dtype=np.float64), 1)[:, None]
+            L_tok = per_token(L_seq, np.array(self.reasoning_lengths))
         else:
             L_tok = np.array(self.L_tok, dtype=np.float64).reshape(L_seq.shape)
         return L_tok, L_seq, np.array([index[g] for g in self.row_group_ids], dtype=np.int64)

@@ -7,7 +7,7 @@ import torch
 
 from scoring import ModelLoadError, Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch
 from scoring.models import build_tiny_random
-from scoring.reference import verify_scorer
+from scoring.verification import verify_scorer
 
 
 def test_tiny_random_is_deterministic_and_tokenizes_text(tmp_path):
