@@ -127,7 +127,6 @@ def select_groups(scores: np.ndarray, config: FilterConfig) -> list[int]:
     comparisons (``min_p``'s 1e-10 margins, the ``top_p`` threshold) come out as RAGEN's do.
     """
     scores = np.asarray(scores, dtype=np.float32)
-    value = np.float32(config.value)
     n_groups = len(scores)
     indices = np.arange(n_groups)
     if not config.include_zero:
@@ -135,38 +134,51 @@ def select_groups(scores: np.ndarray, config: FilterConfig) -> list[int]:
         scores, indices = scores[nonzero], indices[nonzero]
         if indices.size == 0:
             return []
-    largest = config.filter_type == "largest"
     # Stable sorts of the (negated) scores rank ties by lower group index.
-    order = np.argsort(-scores if largest else scores, kind="stable")
-    if config.strategy == "top_p":
-        if config.value >= 1.0:
-            return [int(i) for i in indices]
-        if config.top_p_prob_mode == "softmax":
-            logits = scores if largest else -scores
-            probs = np.exp(logits - logits.max())
-            probs /= probs.sum(dtype=np.float32)
-            by_prob = np.argsort(-probs, kind="stable")
-            cutoff = int(np.searchsorted(np.cumsum(probs[by_prob], dtype=np.float32), value, side="left"))
-            return [int(i) for i in indices[by_prob[: min(cutoff + 1, indices.size)]]]
-        threshold = value * scores.sum(dtype=np.float32) - np.float32(config.selection_eps)
-        total, taken = 0.0, 0
-        for score in scores[order]:
-            if np.float32(total) >= threshold or score <= 0:
-                break
-            total += float(score)
-            taken += 1
-        return [int(i) for i in indices[order[:taken]]] if np.float32(total) >= threshold else []
-    if config.strategy in ("top_k", "top_k_abs"):
-        # top_k is a fraction of all groups, counted before zero-spread groups were dropped.
-        k = int(config.value * n_groups) if config.strategy == "top_k" else int(config.value)
-        k = max(min(k, indices.size), 1)
-        return [int(i) for i in indices[order[:k]]]
-    # min_p
-    if largest:
-        keep = scores >= scores.max() * value - np.float32(ZERO_SPREAD)
+    order = np.argsort(-scores if config.filter_type == "largest" else scores, kind="stable")
+    kept = _SELECTORS[config.strategy](scores, order, config, n_groups)
+    return [int(i) for i in indices[kept]]
+
+
+def _top_p(scores: np.ndarray, order: np.ndarray, config: FilterConfig, _n_groups: int) -> np.ndarray:
+    """The best groups until they carry ``value`` of the total score (linear) or probability (softmax)."""
+    value = np.float32(config.value)
+    if config.value >= 1.0:
+        return np.arange(scores.size)
+    if config.top_p_prob_mode == "softmax":
+        logits = scores if config.filter_type == "largest" else -scores
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum(dtype=np.float32)
+        by_prob = np.argsort(-probs, kind="stable")
+        cutoff = int(np.searchsorted(np.cumsum(probs[by_prob], dtype=np.float32), value, side="left"))
+        return by_prob[: min(cutoff + 1, scores.size)]
+    threshold = value * scores.sum(dtype=np.float32) - np.float32(config.selection_eps)
+    total, taken = 0.0, 0
+    for score in scores[order]:
+        if np.float32(total) >= threshold or score <= 0:
+            break
+        total += float(score)
+        taken += 1
+    return order[:taken] if np.float32(total) >= threshold else order[:0]
+
+
+def _top_k(scores: np.ndarray, order: np.ndarray, config: FilterConfig, n_groups: int) -> np.ndarray:
+    """The best k groups: top_k is a fraction of all groups (counted before zero-spread groups were
+    dropped), top_k_abs a count; at least one group is kept."""
+    k = int(config.value * n_groups) if config.strategy == "top_k" else int(config.value)
+    return order[: max(min(k, scores.size), 1)]
+
+
+def _min_p(scores: np.ndarray, _order: np.ndarray, config: FilterConfig, _n_groups: int) -> np.ndarray:
+    """Every group within ``value`` of the best score (a ratio of it)."""
+    if config.filter_type == "largest":
+        keep = scores >= scores.max() * np.float32(config.value) - np.float32(ZERO_SPREAD)
     else:
         keep = scores <= scores.min() / np.float32(config.value + ZERO_SPREAD) + np.float32(ZERO_SPREAD)
-    return [int(i) for i in indices[keep]]
+    return np.flatnonzero(keep)
+
+
+_SELECTORS = {"top_p": _top_p, "top_k": _top_k, "top_k_abs": _top_k, "min_p": _min_p}
 
 
 def filter_metrics(stats: GroupStats, selected: Sequence[int], n_zero: int) -> dict[str, float]:

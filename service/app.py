@@ -1,4 +1,8 @@
-"""create_app(settings): the composition root. Everything is built in the lifespan, nothing at import."""
+"""create_app(settings): the composition root. Everything is built in the lifespan, nothing at import.
+
+The scorer pool and the embedded worker (and with them torch) are imported only when this process
+scores; an API-only process (``serve --no-worker``) never loads a model library.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import logging
 import threading
 from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -14,34 +17,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
-from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.delivery import Dispatcher
-from service.delivery import start_in_thread as start_dispatcher
-from service.errors import MonitorError, Unavailable
+from service.alert_delivery import Dispatcher
+from service.api import alerts, batches, runs, system
+from service.background import start_in_thread
+from service.errors import MonitorError, TooLarge, Unavailable, field_path
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
-from service.scorers import ScorerPool
 from service.settings import Settings
+from service.state import AppState
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
-from service.worker import Worker, start_in_thread
 
 log = logging.getLogger("collapse_monitor")
-
-
-@dataclass
-class AppState:
-    settings: Settings
-    engine: Engine
-    sessions: sessionmaker[Session]
-    registry: CollectorRegistry
-    metrics: ServiceMetrics
-    pool: ScorerPool
-    scorer_ready: threading.Event = field(default_factory=threading.Event)
-    scorer_error: str | None = None
 
 
 def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
@@ -57,8 +47,6 @@ def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    from service.api import alerts, batches, runs, system
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = settings.resolved_database_url
@@ -68,21 +56,15 @@ def create_app(settings: Settings) -> FastAPI:
         sessions = make_sessions(engine)
         registry = CollectorRegistry()
         state = AppState(
-            settings=settings,
-            engine=engine,
-            sessions=sessions,
-            registry=registry,
-            metrics=ServiceMetrics(registry),
-            pool=ScorerPool(settings),
+            settings=settings, engine=engine, sessions=sessions, registry=registry, metrics=ServiceMetrics(registry)
         )
         registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions)))
         app.state.monitor = state
         threads = []
         if settings.embedded_worker and not settings.scoring_paused:
-            threading.Thread(target=_preload, args=(state,), name="scorer-preload", daemon=True).start()
-            threads.append(start_in_thread(Worker(sessions, settings, state.pool)))
+            threads.append(_start_embedded_worker(state))
         http = httpx.Client()
-        threads.append(start_dispatcher(Dispatcher(sessions, settings, http)))
+        threads.append(start_in_thread(Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts"))
         try:
             yield
         finally:
@@ -112,21 +94,24 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def _preload(state: AppState) -> None:
-    """Loads the default scorer before the first batch arrives; /readyz reports it."""
-    try:
-        state.pool.get(state.settings.default_scorer)
-    except Exception as e:  # reported by /readyz rather than crashing the server
-        log.exception("loading the default scorer failed")
-        state.scorer_error = f"{type(e).__name__}: {e}"
-    else:
-        state.scorer_ready.set()
+def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading.Event]:
+    """Scores in this process; the default scorer starts loading at once (/readyz reports it)."""
+    from service.scorers import ScorerPool
+    from service.worker import Worker
 
+    pool = state.pool = ScorerPool(state.settings)
 
-def field_path(loc: Any) -> str:
-    """('body', 'trajectories', 3, 'turns', 0, 'reasoning') -> 'trajectories[3].turns[0].reasoning'."""
-    parts = [p for p in loc if p not in ("body", "query", "path")]
-    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+    def preload() -> None:
+        try:
+            pool.get(state.settings.default_scorer)
+        except Exception as e:  # reported by /readyz rather than crashing the server
+            log.exception("loading the default scorer failed")
+            state.scorer_error = f"{type(e).__name__}: {e}"
+        else:
+            state.scorer_ready.set()
+
+    threading.Thread(target=preload, name="scorer-preload", daemon=True).start()
+    return start_in_thread(Worker(state.sessions, state.settings, pool).run, "collapse-monitor-worker")
 
 
 async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:
@@ -203,16 +188,8 @@ class _BodyLimit:
         state = getattr(getattr(app, "state", None), "monitor", None)
         if state is not None:
             state.metrics.rejections.labels("body_too_large").inc()
-        body = JSONResponse(
-            {
-                "error": "too_large",
-                "detail": f"request bodies may hold at most {self.limit} bytes, got {size}",
-                "field": None,
-                "index": None,
-            },
-            status_code=413,
-        )
-        await body(scope, _drain, send)
+        error = TooLarge(f"request bodies may hold at most {self.limit} bytes, got {size}")
+        await JSONResponse(error.body(), status_code=error.status)(scope, _drain, send)
 
 
 class BodyTooLarge(HTTPException):
@@ -226,7 +203,8 @@ class BodyTooLarge(HTTPException):
 
 async def _body_too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
     request.app.state.monitor.metrics.rejections.labels("body_too_large").inc()
-    return JSONResponse({"error": "too_large", "detail": error.detail, "field": None, "index": None}, status_code=413)
+    refusal = TooLarge(str(error.detail))
+    return JSONResponse(refusal.body(), status_code=refusal.status)
 
 
 async def _drain() -> MutableMapping[str, Any]:

@@ -25,13 +25,24 @@ import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from service.schemas import FilterRequest, InputError, MatrixInput, MatrixSteps, ScoreRowIn
+from scoring.config import Dtype, ScoringConfig
+from service.errors import field_path
+from service.schemas import (
+    FilterRequest,
+    FilterResponse,
+    InputError,
+    MatrixInput,
+    MatrixSteps,
+    SamplerResult,
+    ScoreRowIn,
+)
 
 EXIT_BAD_INPUT = 2
+_SCORING = ScoringConfig()  # the scoring defaults the `score` flags show
 DEFAULT_CACHE_DIR = Path("~/.cache/collapse-monitor").expanduser()
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -74,10 +85,19 @@ def _build_parser() -> _Parser:
     score = commands.add_parser("score", help="score a dumped batch with a model (JSONL rows)")
     score.add_argument("--model", required=True, help="tiny-random, smollm2-135m, a model folder or a .gguf file")
     score.add_argument("--input", required=True, help="JSONL file, one row per line, or - for stdin")
-    score.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    score.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    score.add_argument("--temperature", type=float, default=1.0, help="scoring temperature (default 1.0)")
-    score.add_argument("--max-batch-tokens", type=int, default=16384, help="token budget of every forward")
+    score.add_argument(
+        "--device", default=_SCORING.device, help=f"auto, cpu, cuda or cuda:N (default {_SCORING.device})"
+    )
+    score.add_argument("--dtype", default=_SCORING.dtype, choices=list(get_args(Dtype)))
+    score.add_argument(
+        "--temperature",
+        type=float,
+        default=_SCORING.temperature,
+        help=f"scoring temperature (default {_SCORING.temperature})",
+    )
+    score.add_argument(
+        "--max-batch-tokens", type=int, default=_SCORING.max_batch_tokens, help="token budget of every forward"
+    )
     score.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="converted GGUF models")
     score.set_defaults(command=_run_score)
 
@@ -181,8 +201,8 @@ def _run_worker(args: argparse.Namespace) -> Any:
 
     import httpx
 
-    from service.delivery import Dispatcher
-    from service.delivery import start_in_thread as start_dispatcher
+    from service.alert_delivery import Dispatcher
+    from service.background import start_in_thread
     from service.scorers import ScorerPool
     from service.storage.database import make_engine, make_sessions, migrate
     from service.worker import Worker
@@ -201,7 +221,7 @@ def _run_worker(args: argparse.Namespace) -> Any:
         signal.signal(sig, lambda *_: stop.set())
     sessions = make_sessions(engine)
     with httpx.Client() as http:
-        dispatcher, _ = start_dispatcher(Dispatcher(sessions, settings, http))
+        dispatcher, _ = start_in_thread(Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts")
         Worker(sessions, settings, ScorerPool(settings)).run(stop)
         dispatcher.join(timeout=30)
     engine.dispose()
@@ -237,11 +257,7 @@ def _validate(model: type[M], data: Any, where: str = "") -> M:
 
 def format_validation_error(error: ValidationError) -> str:
     """All of pydantic's errors on one line, each as ``path: message`` (``steps[1].L_seq[2]: ...``)."""
-    parts = []
-    for item in error.errors():
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"]).lstrip(".")
-        parts.append(f"{path or 'input'}: {item['msg']}")
-    return "; ".join(parts)
+    return "; ".join(f"{field_path(item['loc']) or 'input'}: {item['msg']}" for item in error.errors())
 
 
 def _guard(action: Callable[[], T], prefix: str = "") -> T:
@@ -277,19 +293,11 @@ def _run_filter(args: argparse.Namespace) -> Any:
     from scoring.snr_filter import filter_groups
 
     request = _validate(FilterRequest, _parse_json(_read(args.input)))
-    result = filter_groups(request.rewards, request.filter_config())
-    return {
-        "selected_groups": result.selected_groups,
-        "kept_row_indices": result.kept_row_indices,
-        "group_reward_std": result.group_reward_std,
-        "metrics": result.metrics,
-        "single_sample_groups": result.single_sample_groups,
-        "warnings": result.warnings,
-    }
+    return FilterResponse(**vars(filter_groups(request.rewards, request.filter_config()))).model_dump(mode="json")
 
 
 def _run_score(args: argparse.Namespace) -> Any:
-    from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
+    from scoring import ScoringBatch, load_scorer, score_batch
     from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 
     rows = []
@@ -332,17 +340,13 @@ def _run_score(args: argparse.Namespace) -> Any:
         EstimatorConfig(),
         batch.column_group_ids,
     )
+    result = SamplerResult.of(diagnostics, batch.n_rows, batch.n_columns, token_entropy_stats(scores.token_entropy))
     return {
         "model": args.model,
-        "rows": batch.n_rows,
-        "columns": batch.n_columns,
+        **result.model_dump(mode="json"),
         "line_of_row": kept,
         "dropped_empty_reasoning_lines": dropped,
         "column_group_ids": list(batch.column_group_ids),
-        "metrics": {**diagnostics.metrics, **token_entropy_stats(scores.token_entropy)},
-        "skipped_reason": diagnostics.skipped_reason,
-        "intervals": {name: list(bounds) for name, bounds in diagnostics.intervals.items()},
-        "per_prompt": [vars(c) for c in diagnostics.columns],
         "reasoning_lengths": scores.reasoning_lengths.tolist(),
         "L_seq": scores.L_seq.tolist(),
         "L_tok": scores.L_tok.tolist(),

@@ -16,6 +16,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from service.schemas import BatchStatus
+
 ACTIONS = ("Up", "Down", "Left", "Right")
 SYSTEM = (
     "<|im_start|>system\nYou are an agent solving a box-pushing puzzle on a grid. Each turn you see the board, "
@@ -100,7 +102,7 @@ def run_demo(
     per_group: int = 4,
     seed: int = 0,
     report: Any = print,
-) -> list[dict[str, Any]]:
+) -> list[BatchStatus]:
     """Feeds ``steps`` batches and reports each step's diagnostics once scored; returns the statuses."""
     status, body = _call(
         f"{url}/v1/runs",
@@ -115,7 +117,7 @@ def run_demo(
     )
     if status not in (200, 201):
         raise RuntimeError(f"creating the run failed ({status}): {body}")
-    statuses = []
+    statuses: list[BatchStatus] = []
     for step in range(1, steps + 1):
         payload = {
             "step": step,
@@ -130,8 +132,8 @@ def run_demo(
             if batch["status"] in ("done", "failed"):
                 break
             time.sleep(0.2)
-        statuses.append(batch)
-        report(summary(step, batch))
+        statuses.append(BatchStatus.model_validate(batch))
+        report(summary(step, statuses[-1]))
     _, alerts = _call(f"{url}/v1/runs/{run}/alerts")
     report(f"alerts on {run}: {len(alerts)}" if alerts else f"no alerts on {run}")
     for alert in alerts:
@@ -139,11 +141,11 @@ def run_demo(
     return statuses
 
 
-def summary(step: int, batch: dict[str, Any]) -> str:
-    if batch["status"] == "failed":
-        return f"step {step:3d}  failed: {batch['error']}"
-    results = batch["results"]
-    metrics = results.get("samplers", {}).get("first_turn", {}).get("metrics", {})
+def summary(step: int, batch: BatchStatus) -> str:
+    if batch.status == "failed" or batch.results is None:
+        return f"step {step:3d}  {batch.status}: {batch.error}"
+    sampler = (batch.results.samplers or {}).get("first_turn")
+    metrics = sampler.metrics if sampler else {}
 
     def value(name: str) -> float:
         return float(metrics.get(name, float("nan")))
@@ -152,5 +154,6 @@ def summary(step: int, batch: dict[str, Any]) -> str:
         f"step {step:3d}  MI {value('mi_estimate'):6.3f} nats  "
         f"retrieval {value('retrieval_accuracy'):5.2f} (chance {value('retrieval_chance_level'):4.2f})  "
         f"H(Z|X) {value('conditional_entropy_est'):5.2f}  "
-        f"reward std {results['figures']['rollout/in_group_reward_std']:5.3f}  ({batch['scoring_seconds']:.1f}s)"
+        f"reward std {(batch.results.figures or {})['rollout/in_group_reward_std']:5.3f}  "
+        f"({batch.scoring_seconds or 0:.1f}s)"
     )

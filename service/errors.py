@@ -10,11 +10,13 @@
     └── Unavailable              503  the queue is full; retry after ``retry_after`` seconds
 
 Every error renders as ``{"error": code, "detail": what must hold and what was sent,
-"field": where, "index": which item}``. Must not import fastapi outside ``handlers``.
+"field": where, "index": which item}``; ``field`` is written as ``field_path`` writes it.
+Must not import fastapi.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -67,3 +69,12 @@ class Unavailable(MonitorError):
     retry_after: int = 5
     status = 503
     code = "queue_full"
+
+
+def field_path(loc: Sequence[object]) -> str:
+    """Where in a request a value sits, from pydantic's location.
+
+    ``('body', 'trajectories', 3, 'turns', 0, 'reasoning')`` -> ``trajectories[3].turns[0].reasoning``.
+    """
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")

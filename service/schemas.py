@@ -5,14 +5,23 @@ Must not import fastapi: the CLI uses these models without a server.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
-from scoring.estimators import per_token
+from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, per_token
 from scoring.snr_filter import FilterConfig
-from service.alerts import AlertConfig
+from service.alert_rules import AlertSettings, AlertState, RuleName, Severity
 
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -30,9 +39,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+_ESTIMATOR = EstimatorConfig()  # RAGEN's defaults live in scoring.estimators; the wire format reuses them
+
+
 class EstimatorSettings(_Strict):
-    std_eps: float = Field(1e-3, ge=0, description="Added to the marginal std before dividing (z-scores).")
-    ema_decay: float = Field(0.9, ge=0, le=1, description="d in ema = d * ema + (1 - d) * std.")
+    std_eps: float = Field(
+        _ESTIMATOR.std_eps, ge=0, description="Added to the marginal std before dividing (z-scores)."
+    )
+    ema_decay: float = Field(_ESTIMATOR.ema_decay, ge=0, le=1, description="d in ema = d * ema + (1 - d) * std.")
 
 
 class MatrixInput(_Strict):
@@ -173,7 +187,7 @@ class RunMetadata(_Strict):
     tags: list[Annotated[str, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
 
 
-class Schedule(_Strict):
+class ScheduleSettings(_Strict):
     every: int = Field(
         1, ge=1, description="Score every N-th step (RAGEN's compute_freq): step 1 and multiples of N; 1 = every batch."
     )
@@ -204,11 +218,11 @@ class RunCreate(_Strict):
         description="reference: one fixed scorer for the whole run (a stable yardstick); policy: the latest "
         "checkpoint the trainer announced.",
     )
-    schedule: Schedule = Field(default_factory=Schedule)
+    schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
     temperature: float = Field(1.0, gt=0, description="Scoring temperature; RAGEN scores at the rollout temperature.")
     filter: FilterSettings = Field(default_factory=FilterSettings)
-    alerts: AlertConfig = Field(default_factory=AlertConfig, description="Alert thresholds (docs/alerts.md).")
+    alerts: AlertSettings = Field(default_factory=AlertSettings, description="Alert thresholds (docs/alerts.md).")
 
 
 class RunResponse(RunCreate):
@@ -231,28 +245,40 @@ class TrajectoryIn(_Strict):
     turns: list[TurnWithEntropy] = Field(min_length=1, description="Turns in order; one for single-turn trainers.")
 
 
-class BatchIn(_Strict):
-    step: int = Field(ge=0, description="Training step.")
-    batch_id: str | None = Field(
+IdempotencyKey = Annotated[
+    str | None,
+    Field(
         None,
         min_length=1,
         max_length=200,
-        description="Idempotency key: a replay with the same content is answered "
-        "as the first time; different content under the same key is refused (409).",
-    )
+        # `batch_id` is the key's first name, still accepted; answers use batch_id for the server's id.
+        validation_alias=AliasChoices("idempotency_key", "batch_id"),
+        description="Idempotency key (also accepted as `batch_id`, its former name): a replay with the same "
+        "content is answered as the first time; different content under the same key is refused (409).",
+    ),
+]
+
+
+class BatchIn(_Strict):
+    step: int = Field(ge=0, description="Training step.")
+    idempotency_key: IdempotencyKey
     trajectories: list[TrajectoryIn] = Field(min_length=1)
 
 
+BatchState = Literal["queued", "scoring", "done", "failed"]
+BatchKind = Literal["rollouts", "matrix"]
+
+
 class BatchAccepted(_Strict):
-    batch_id: str
-    status: str
+    batch_id: str = Field(description="The server's id of the stored batch.")
+    status: BatchState
     status_url: str
     replayed: bool = Field(False, description="True when this answers an identical replay of an earlier request.")
 
 
 class MatrixBatchIn(MatrixInput):
     step: int = Field(ge=0)
-    batch_id: str | None = Field(None, min_length=1, max_length=200)
+    idempotency_key: IdempotencyKey
     sampler: str = Field("matrix", pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Series name of these metrics.")
 
 
@@ -265,3 +291,148 @@ class CheckpointIn(_Strict):
 class CheckpointResponse(CheckpointIn):
     id: int
     created_at: str
+
+
+# Results ------------------------------------------------------------------------------------------
+
+
+class PromptBreakdown(BaseModel):
+    """One prompt (column) of a scored batch: did its own reasoning still depend on it?"""
+
+    column: int
+    group_id: int
+    n_rows: int
+    matched_mean: float = Field(description="Mean per-token log p(z | own prompt) of the column's rows (nats).")
+    mi_term: float = Field(description="Mean of matched - marginal over the column's rows (nats per token).")
+    retrieval_rate: float = Field(description="Share of the column's rows whose own prompt scores highest.")
+
+    @classmethod
+    def of(cls, column: ColumnBreakdown) -> PromptBreakdown:
+        return cls.model_validate(vars(column))
+
+
+class SamplerResult(BaseModel):
+    """What one sampler's cross-scoring of a batch says (``skipped_reason`` set when it scored nothing)."""
+
+    rows: int = 0
+    columns: int = 0
+    metrics: dict[str, float] = Field(default_factory=dict, description="RAGEN metric names and token entropies.")
+    intervals: dict[str, tuple[float, float]] = Field(default_factory=dict, description="95% bootstrap intervals.")
+    per_prompt: list[PromptBreakdown] = Field(default_factory=list)
+    skipped_reason: str | None = None
+
+    @classmethod
+    def of(cls, diagnostics: Diagnostics, rows: int, columns: int, entropy: dict[str, float]) -> SamplerResult:
+        return cls(
+            rows=rows,
+            columns=columns,
+            metrics={**diagnostics.metrics, **entropy},
+            intervals=dict(diagnostics.intervals),
+            per_prompt=[PromptBreakdown.of(c) for c in diagnostics.columns],
+            skipped_reason=diagnostics.skipped_reason,
+        )
+
+
+class RewardResult(BaseModel):
+    """The batch's reward groups and what the run's SNR-aware filter would keep of them."""
+
+    group_ids: list[int]
+    group_reward_std: list[float]
+    selected_group_ids: list[int]
+    single_sample_group_ids: list[int]
+    warnings: list[str]
+    filter: dict[str, Any]
+
+
+class BatchResult(BaseModel):
+    """Everything a finished batch reports: reward figures for rollouts, cross-scoring on scheduled steps.
+
+    Parts a batch does not have (samplers of an unscored step, rewards of a matrix) are left out.
+    """
+
+    scored: bool = Field(description="Whether the step was cross-scored (schedule.every).")
+    samplers: dict[str, SamplerResult] | None = Field(None, description="Per sampler; absent when not scored.")
+    rewards: RewardResult | None = Field(None, description="Reward groups and filter advice (rollouts only).")
+    figures: dict[str, float] | None = Field(None, description="Batch-level figures, sampler `all` (rollouts only).")
+
+    @model_serializer(mode="wrap")
+    def _leave_out_absent_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {key: value for key, value in data.items() if value is not None}
+
+
+class BatchStatus(BaseModel):
+    """Where a batch stands: queued, scoring, done (with its results) or failed (with the reason)."""
+
+    batch_id: str = Field(description="The server's id of the batch.")
+    run: str
+    step: int
+    idempotency_key: str | None = Field(description="The client's idempotency key, if it sent one.")
+    batch_key: str | None = Field(description="Deprecated: the same as idempotency_key.")
+    kind: BatchKind
+    status: BatchState
+    error: str | None
+    attempts: int
+    created_at: str | None
+    started_at: str | None
+    finished_at: str | None
+    scoring_seconds: float | None
+    tokens_scored: int | None
+    scorer: str | None
+    checkpoint: str | None
+    results: BatchResult | None
+
+
+class MatrixAccepted(BatchAccepted):
+    results: BatchResult
+
+
+class MetricPointOut(BaseModel):
+    step: int
+    sampler: str
+    name: str
+    value: float
+    scorer: str | None
+    checkpoint: str | None
+    time: str
+
+
+class MetricSeries(BaseModel):
+    run: str
+    points: list[MetricPointOut]
+
+
+class AlertDocument(BaseModel):
+    """An alert episode as receivers (webhooks) and the API see it."""
+
+    rule: RuleName
+    severity: Severity
+    run: str
+    sampler: str
+    state: AlertState
+    onset_step: int
+    fired_step: int | None
+    resolved_step: int | None
+    step: int = Field(description="The last scored step the episode was evaluated at.")
+    value: float | None
+    baseline: float | None
+    threshold: float | None
+    summary: str
+    description: str
+
+
+class DeliveryStatus(BaseModel):
+    receiver: Literal["webhook", "slack", "alertmanager"]
+    url: str
+    event: Literal["firing", "resolved"]
+    status: Literal["pending", "delivering", "delivered", "failed"]
+    attempts: int
+    last_error: str | None
+    delivered_at: str | None
+
+
+class AlertResponse(AlertDocument):
+    id: int
+    created_at: str | None
+    updated_at: str | None
+    deliveries: list[DeliveryStatus]

@@ -16,25 +16,6 @@ from service.errors import InvalidRequest
 from service.settings import Settings
 
 
-def resolve_checkpoint(settings: Settings, path: str, kind: str) -> Path:
-    """The checkpoint folder ``path`` names, if it lies under the allow-listed root and looks right."""
-    if settings.checkpoint_root is None:
-        raise InvalidRequest(
-            "checkpoints are disabled on this server: set checkpoint_root (COLLAPSE_MONITOR_CHECKPOINT_ROOT)",
-            field="path",
-        )
-    root = settings.checkpoint_root.resolve()
-    folder = (root / path).resolve()
-    if not folder.is_relative_to(root):
-        raise InvalidRequest(f"path must lie under the checkpoint root {str(root)!r}, got {path!r}", field="path")
-    marker = "adapter_config.json" if kind == "lora" else "config.json"
-    if not (folder / marker).is_file():
-        raise InvalidRequest(
-            f"a {kind} checkpoint folder must contain {marker}; {str(folder)!r} does not", field="path"
-        )
-    return folder
-
-
 class ScorerPool:
     """Thread-safe LRU of loaded scorers keyed by (scorer name, temperature-free checkpoint)."""
 

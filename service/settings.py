@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scoring.config import ScoringConfig
 
+_SCORING = ScoringConfig()  # scoring's defaults; the settings reuse them
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="COLLAPSE_MONITOR_", env_file=".env", extra="forbid")
@@ -40,9 +42,9 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(
         Path("~/.cache/collapse-monitor").expanduser(), description="Converted GGUF models are cached here."
     )
-    device: str = Field("auto", description="auto (CUDA when present), cpu, cuda or cuda:N.")
+    device: str = Field(_SCORING.device, description="auto (CUDA when present), cpu, cuda or cuda:N.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Scorer precision.")
-    max_batch_tokens: int = Field(16384, ge=1, description="Token budget of every scoring forward.")
+    max_batch_tokens: int = Field(_SCORING.max_batch_tokens, ge=1, description="Token budget of every scoring forward.")
     max_loaded_scorers: int = Field(2, ge=1, description="Scorers (base models and checkpoints) kept in memory.")
 
     embedded_worker: bool = Field(True, description="Score batches in a thread of the server process.")

@@ -5,27 +5,26 @@ worker dies, the lease runs out and the batch is claimed again (up to ``max_atte
 batch's metric points, EMA states, status and results are written in one transaction, and only
 while this worker still holds the lease, so every batch is scored exactly once. A batch that
 cannot be scored (bad content, longer than the scorer's context) is marked failed with its reason
-and blocks nothing else.
+and blocks nothing else. Must not import fastapi.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
-import uuid
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from scoring import Scorer
 from scoring.estimators import EmaState
-from service import pipeline
-from service.alerting import update_alerts
+from scoring.scorer import Scorer
+from service.background import owner_id, poll
+from service.batch_scoring import score_rollouts
 from service.errors import MonitorError
-from service.pipeline import RunSnapshot, ScoredBatch
+from service.recording import ScoredBatch, load_emas, record_step
+from service.runs import RunSnapshot
 from service.schemas import BatchIn
 from service.scorers import ScorerPool
 from service.settings import Settings
@@ -37,6 +36,8 @@ log = logging.getLogger("collapse_monitor.worker")
 
 @dataclass(frozen=True)
 class Claimed:
+    """A claimed batch and everything scoring it needs, read in the claiming transaction."""
+
     batch_id: str
     step: int
     payload: str
@@ -51,19 +52,12 @@ class Worker:
         self.sessions = sessions
         self.settings = settings
         self.pool = pool
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = owner_id()
 
     def run(self, stop: threading.Event) -> None:
         """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty."""
         log.info("worker %s started", self.owner)
-        while not stop.is_set():
-            try:
-                worked = self.run_once()
-            except Exception:  # a broken database connection must not kill the loop
-                log.exception("worker %s: claiming or writing a batch failed", self.owner)
-                worked = False
-            if not worked:
-                stop.wait(self.settings.worker_poll_seconds)
+        poll(self.run_once, stop, self.settings.worker_poll_seconds, log, f"worker {self.owner}")
 
     def run_once(self) -> bool:
         """Claims and scores one batch; False when there was nothing to claim."""
@@ -73,8 +67,9 @@ class Worker:
         renewing = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(claimed.batch_id, renewing), daemon=True)
         heartbeat.start()
+        start = time.perf_counter()
         try:
-            scored, seconds = pipeline.timed(lambda: self._score(claimed))
+            scored = self._score(claimed)
         except (MonitorError, ValueError) as e:
             self._finish_failed(claimed, str(e))
             return True
@@ -85,7 +80,7 @@ class Worker:
         finally:
             renewing.set()
             heartbeat.join()
-        self._finish_done(claimed, scored, seconds)
+        self._finish_done(claimed, scored, time.perf_counter() - start)
         return True
 
     def _claim(self) -> Claimed | None:
@@ -93,20 +88,14 @@ class Worker:
             batch = queries.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
             if batch is None:
                 return None
-            run = session.get_one(Run, batch.run_id)
-            snapshot = RunSnapshot.of(run)
-            emas = {}
-            for sampler in snapshot.samplers:
-                record = queries.ema_state(session, run.id, sampler)
-                if record is not None:
-                    emas[sampler] = EmaState(record.marginal_std, record.marginal_std_seq)
+            run = RunSnapshot.of(session.get_one(Run, batch.run_id))
             checkpoint = session.get(Checkpoint, batch.checkpoint_id) if batch.checkpoint_id else None
             return Claimed(
                 batch_id=batch.id,
                 step=batch.step,
                 payload=batch.payload,
-                run=snapshot,
-                emas=emas,
+                run=run,
+                emas=load_emas(session, run.id, run.samplers),
                 checkpoint_path=checkpoint.path if checkpoint else None,
                 checkpoint_kind=checkpoint.kind if checkpoint else None,
             )
@@ -118,7 +107,7 @@ class Worker:
             path = Path(claimed.checkpoint_path) if claimed.checkpoint_path else None
             return self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full")
 
-        scored = pipeline.score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings)
+        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings)
         scored.checkpoint = claimed.checkpoint_path
         return scored
 
@@ -139,7 +128,7 @@ class Worker:
                 claimed.batch_id,
                 self.owner,
                 status="done",
-                result=scored.result,
+                result=scored.result.model_dump(mode="json"),
                 scoring_seconds=seconds,
                 tokens_scored=scored.tokens,
                 scorer=scored.scorer,
@@ -150,23 +139,10 @@ class Worker:
                 log.warning("worker %s: batch %s was taken over; discarding its results", self.owner, claimed.batch_id)
                 session.rollback()
                 return
-            queries.record_points(
-                session, claimed.run.id, claimed.batch_id, claimed.step, scored.points, scored.scorer, scored.checkpoint
-            )
-            for sampler, ema in scored.ema.items():
-                queries.save_ema(session, claimed.run.id, sampler, claimed.step, ema)
-            samplers = [*scored.result.get("samplers", {}), "all"]
-            update_alerts(session, claimed.run, claimed.step, samplers, self.settings)
+            record_step(session, claimed.run, claimed.batch_id, claimed.step, scored, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
     def _finish_failed(self, claimed: Claimed, reason: str) -> None:
         with self.sessions.begin() as session:
             queries.finish_batch(session, claimed.batch_id, self.owner, status="failed", error=reason)
         log.warning("worker %s: batch %s failed: %s", self.owner, claimed.batch_id, reason)
-
-
-def start_in_thread(worker: Worker) -> tuple[threading.Thread, threading.Event]:
-    stop = threading.Event()
-    thread = threading.Thread(target=worker.run, args=(stop,), name="collapse-monitor-worker", daemon=True)
-    thread.start()
-    return thread, stop

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from service.app import AppState
+from service.state import AppState
 
 
 def _state(request: Request) -> AppState:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import and_, case, exists, func, insert, or_, select, update
@@ -27,13 +27,6 @@ from service.storage.tables import (
 )
 
 SCORING_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-def as_utc(moment: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; every stored time is UTC."""
-    if moment is None:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -72,8 +65,8 @@ def latest_checkpoint(session: Session, run_id: int) -> Checkpoint | None:
 # Batches --------------------------------------------------------------------------------------
 
 
-def batch_by_client_id(session: Session, run_id: int, client_batch_id: str) -> Batch | None:
-    return session.scalar(select(Batch).where(Batch.run_id == run_id, Batch.client_batch_id == client_batch_id))
+def batch_by_key(session: Session, run_id: int, idempotency_key: str) -> Batch | None:
+    return session.scalar(select(Batch).where(Batch.run_id == run_id, Batch.idempotency_key == idempotency_key))
 
 
 def queue_depth(session: Session) -> int:

@@ -13,6 +13,19 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if moment is None:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def iso_time(moment: datetime | None) -> str | None:
+    """A stored time as ISO 8601 / RFC 3339 with its UTC offset, as every answer shows times."""
+    value = as_utc(moment)
+    return value.isoformat() if value else None
+
+
 class Base(DeclarativeBase):
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         dict[str, Any]: JSON,
@@ -68,7 +81,8 @@ class Batch(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
-    client_batch_id: Mapped[str | None] = mapped_column(String(200))
+    # The client's idempotency key (its column keeps the key's first name).
+    idempotency_key: Mapped[str | None] = mapped_column("client_batch_id", String(200))
     kind: Mapped[str] = mapped_column(String(16))  # rollouts | matrix
     payload: Mapped[str] = mapped_column(Text)  # the request body as sent
     payload_sha256: Mapped[str] = mapped_column(String(64))

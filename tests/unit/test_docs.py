@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from service.alert_rules import settings_table
 from service.metrics import catalogue_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -11,3 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_metric_catalogue_is_generated_from_the_exported_metrics():
     assert (ROOT / "docs" / "metrics.md").read_text() == catalogue_markdown()
+
+
+def test_the_alert_settings_table_is_generated_from_the_settings_model():
+    text = (ROOT / "docs" / "alerts.md").read_text()
+    table = text.split("<!-- alert settings: generated -->\n", 1)[1].split("<!-- end of alert settings -->", 1)[0]
+    assert table == settings_table()

@@ -1,14 +1,21 @@
-"""Dependencies point one way: scoring never pulls in the service stack."""
+"""Dependencies point one way: scoring never pulls in the service stack, and no module imports itself back."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("scoring", "service")
 
 
 def modules_loaded_by(statement: str) -> set[str]:
     code = f"import sys; {statement}; print(' '.join(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     return set(out.split())
 
 
@@ -17,13 +24,106 @@ def test_scoring_imports_no_http_sql_or_prometheus():
     assert not loaded & {"fastapi", "sqlalchemy", "prometheus_client", "service", "starlette", "uvicorn"}
 
 
-def test_wire_schemas_import_no_web_framework():
-    loaded = modules_loaded_by("import service.schemas")
-    assert not loaded & {"fastapi", "starlette", "sqlalchemy"}
-
-
-def test_storage_metrics_alerts_and_delivery_import_no_web_framework():
+def test_the_torch_free_parts_of_scoring_load_no_torch():
     loaded = modules_loaded_by(
-        "import service.storage.queries, service.storage.database, service.metrics, service.alerts, service.delivery"
+        "import scoring, scoring.estimators, scoring.samplers, scoring.snr_filter, scoring.partition, scoring.batch"
+    )
+    assert "torch" not in loaded
+    assert "torch" in modules_loaded_by("from scoring import score_batch")  # the lazy names still resolve
+
+
+def test_wire_schemas_import_no_web_framework_database_or_torch():
+    loaded = modules_loaded_by("import service.schemas")
+    assert not loaded & {"fastapi", "starlette", "sqlalchemy", "torch"}
+
+
+def test_use_cases_storage_metrics_and_alerts_import_no_web_framework():
+    loaded = modules_loaded_by(
+        "import service.storage.queries, service.storage.database, service.metrics, service.alert_rules, "
+        "service.alert_state, service.alert_delivery, service.ingest, service.runs, service.recording, "
+        "service.batch_scoring, service.worker"
     )
     assert not loaded & {"fastapi", "starlette", "uvicorn"}
+
+
+def test_routers_never_load_the_composition_root_and_an_api_process_never_loads_torch():
+    routers = modules_loaded_by("import service.api.runs, service.api.batches, service.api.alerts, service.api.system")
+    assert "service.app" not in routers
+    assert not modules_loaded_by("import service.app, service.ingest") & {"torch", "transformers", "service.worker"}
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every scoring/service module ``path`` imports, at any depth (deferred and TYPE_CHECKING ones too)."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1], base]).strip(".")
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if "migrations" in path.parts:
+                continue
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {module: _imports(path, module) & set(files) - {module} for module, path in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_of_scoring_or_service_imports_itself_back():
+    graph = import_graph()
+    # A package's __init__ that re-exports its modules is not a cycle of logic; leave it out.
+    graph = {m: {o for o in deps if o not in PACKAGES} for m, deps in graph.items() if m not in PACKAGES}
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, [["a", "b", "c"]]),
+        ({"a": {"b"}, "b": set()}, []),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(graph, expected):
+    assert cycles(graph) == expected

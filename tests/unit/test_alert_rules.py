@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.alerts import AlertConfig, evaluate
+from service.alert_rules import AlertSettings, evaluate
 
 
 def steps(values, start=1):
@@ -18,7 +18,7 @@ def template_series(signal, entropy=None):
 
 def test_template_collapse_fires_after_the_window_and_names_run_step_values_and_onset():
     signal = [4.0, 4.2, 3.8, 4.1, 4.0, 3.9, 1.0, 0.9, 0.8, 0.7]  # baseline = median of the first 5 = 4.0
-    (episode,) = evaluate("ppo-7", "first_turn", template_series(signal), AlertConfig())
+    (episode,) = evaluate("ppo-7", "first_turn", template_series(signal), AlertSettings())
     assert (episode.rule, episode.state, episode.severity) == ("TemplateCollapse", "firing", "critical")
     assert (episode.onset_step, episode.fired_step, episode.last_step) == (7, 9, 10)
     assert episode.baseline == 4.0
@@ -32,25 +32,25 @@ def test_template_collapse_fires_after_the_window_and_names_run_step_values_and_
 
 def test_one_noisy_step_neither_fires_nor_resolves():
     quiet = [4.0] * 5 + [1.0, 4.0, 1.0, 1.0, 4.0, 4.0]  # never 3 low steps in a row
-    assert evaluate("r", "s", template_series(quiet), AlertConfig()) == []
+    assert evaluate("r", "s", template_series(quiet), AlertSettings()) == []
     firing = [4.0] * 5 + [1.0, 1.0, 1.0, 4.0, 1.0, 4.0, 4.0]
-    (episode,) = evaluate("r", "s", template_series(firing), AlertConfig())
+    (episode,) = evaluate("r", "s", template_series(firing), AlertSettings())
     assert (episode.fired_step, episode.resolved_step, episode.state) == (8, 12, "resolved")
 
 
 def test_a_condition_still_short_of_the_window_is_pending():
-    (episode,) = evaluate("r", "s", template_series([4.0] * 5 + [1.0, 1.0]), AlertConfig())
+    (episode,) = evaluate("r", "s", template_series([4.0] * 5 + [1.0, 1.0]), AlertSettings())
     assert (episode.state, episode.onset_step, episode.fired_step) == ("pending", 6, None)
 
 
 def test_nothing_is_judged_before_the_baseline_exists():
-    assert evaluate("r", "s", template_series([4.0, 0.1, 0.1, 0.1]), AlertConfig()) == []
+    assert evaluate("r", "s", template_series([4.0, 0.1, 0.1, 0.1]), AlertSettings()) == []
 
 
 def test_an_input_dependence_drop_with_collapsing_entropy_is_entropy_collapse_not_template():
     signal = [4.0] * 5 + [1.0] * 4
     entropy = [2.0] * 5 + [0.5] * 4
-    episodes = evaluate("r", "s", template_series(signal, entropy), AlertConfig())
+    episodes = evaluate("r", "s", template_series(signal, entropy), AlertSettings())
     assert [(e.rule, e.state, e.onset_step) for e in episodes] == [("EntropyCollapse", "firing", 6)]
     assert "fell below 50% of its baseline 2" in episodes[0].summary
 
@@ -58,14 +58,14 @@ def test_an_input_dependence_drop_with_collapsing_entropy_is_entropy_collapse_no
 def test_template_reasoning_with_rising_entropy_is_still_template_collapse():
     # Generic template text often scores a higher per-token entropy than grounded reasoning.
     series = template_series([4.0] * 5 + [1.0] * 3, [2.0] * 5 + [3.2, 3.4, 3.3])
-    assert [e.rule for e in evaluate("r", "s", series, AlertConfig())] == ["TemplateCollapse"]
+    assert [e.rule for e in evaluate("r", "s", series, AlertSettings())] == ["TemplateCollapse"]
     runaway = template_series([4.0] * 5 + [1.0] * 3, [2.0] * 5 + [7.0] * 3)  # beyond +200%
-    assert evaluate("r", "s", runaway, AlertConfig()) == []
+    assert evaluate("r", "s", runaway, AlertSettings()) == []
 
 
 def test_the_absolute_threshold_catches_a_run_that_never_had_dependence():
     series = template_series([-0.1, 0.05, -0.2, 0.0, -0.05, -0.1, -0.2, -0.1])
-    (episode,) = evaluate("r", "s", series, AlertConfig())
+    (episode,) = evaluate("r", "s", series, AlertSettings())
     assert episode.threshold == 0.0  # baseline <= 0: only the absolute level applies
     assert (episode.onset_step, episode.fired_step) == (5, 7)  # 0.05 and 0.0 at steps 2 and 4 are not below
 
@@ -79,7 +79,7 @@ def test_a_drop_within_the_bootstrap_noise_of_the_mi_estimate_does_not_count(sig
         "mi_estimate_ci_high": steps([1.0] * 5 + [0.55, 0.5, 0.55]),  # the interval still reaches the level
         "conditional_entropy_est": steps([2.0] * 8),
     }
-    config = AlertConfig(signal=signal)
+    config = AlertSettings(signal=signal)
     assert evaluate("r", "s", noisy, config) == []
     assert len(evaluate("r", "s", noisy, config.model_copy(update={"use_intervals": False}))) == 1
     tight = noisy | {"mi_estimate_ci_high": steps([1.0] * 5 + [0.2, 0.2, 0.2])}
@@ -94,12 +94,12 @@ def test_low_reward_signal_follows_ragens_ten_step_rule():
         "zero_variance_group_ratio": steps([0.1] * 15),
         "rollout/filter_kept_ratio": steps([0.4] * 15),
     }
-    (episode,) = evaluate("r", "all", series, AlertConfig())
+    (episode,) = evaluate("r", "all", series, AlertSettings())
     assert (episode.rule, episode.fired_step, episode.onset_step) == ("LowRewardSignal", 15, 6)
     assert "top_p" in episode.description
     assert "On step 15 a top_p 0.9 filter would keep 40% of the groups." in episode.description
     nine = {k: v[:14] for k, v in series.items()}
-    assert evaluate("r", "all", nine, AlertConfig())[0].state == "pending"
+    assert evaluate("r", "all", nine, AlertSettings())[0].state == "pending"
 
 
 def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
@@ -107,19 +107,19 @@ def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
         "rollout/in_group_reward_std": steps([0.5] * 8),
         "zero_variance_group_ratio": steps([0.1] * 5 + [0.75] * 3),
     }
-    (episode,) = evaluate("r", "all", series, AlertConfig())
+    (episode,) = evaluate("r", "all", series, AlertSettings())
     assert (episode.fired_step, episode.state) == (8, "firing")
     assert "75% of prompt groups without reward variance" in episode.summary
 
 
 def test_rules_can_be_disabled_and_tuned_per_run():
     series = template_series([4.0] * 5 + [1.0] * 3)
-    assert evaluate("r", "s", series, AlertConfig(enabled=False)) == []
-    assert evaluate("r", "s", series, AlertConfig(drop_fraction=0.9)) == []  # 1.0 is not below 0.4
-    assert evaluate("r", "s", series, AlertConfig(window=5))[0].state == "pending"
+    assert evaluate("r", "s", series, AlertSettings(enabled=False)) == []
+    assert evaluate("r", "s", series, AlertSettings(drop_fraction=0.9)) == []  # 1.0 is not below 0.4
+    assert evaluate("r", "s", series, AlertSettings(window=5))[0].state == "pending"
 
 
 @pytest.mark.parametrize(("field", "value"), [("drop_fraction", 0), ("window", 0), ("entropy_floor", 1.5)])
 def test_invalid_thresholds_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
-        AlertConfig(**{field: value})
+        AlertSettings(**{field: value})

@@ -93,7 +93,7 @@ def test_template_collapse_fires_and_resolves_with_notifications_to_json_and_sla
         ("webhook", "firing", "delivered"),
         ("webhook", "resolved", "delivered"),
     ]
-    by_path = {}
+    by_path: dict[str, list] = {}
     for path, body in hooks.requests:
         by_path.setdefault(path, []).append(body)
     firing = by_path["/json"][0]

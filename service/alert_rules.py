@@ -25,20 +25,26 @@ Must not import fastapi or touch the database.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], ascending steps
+RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal"]
+AlertState = Literal["pending", "firing", "resolved"]
+Severity = Literal["critical", "warning"]
 SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
-TEMPLATE, ENTROPY, REWARD = "TemplateCollapse", "EntropyCollapse", "LowRewardSignal"
-SEVERITY = {TEMPLATE: "critical", ENTROPY: "warning", REWARD: "warning"}
+TEMPLATE: RuleName = "TemplateCollapse"
+ENTROPY: RuleName = "EntropyCollapse"
+REWARD: RuleName = "LowRewardSignal"
+SEVERITY: dict[RuleName, Severity] = {TEMPLATE: "critical", ENTROPY: "warning", REWARD: "warning"}
 
 
-class AlertConfig(BaseModel):
-    """Alert thresholds of one run; every default is documented in docs/alerts.md."""
+class AlertSettings(BaseModel):
+    """Alert thresholds of one run (``alerts`` in ``POST /v1/runs``); docs/alerts.md's table is generated
+    from these fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -48,8 +54,9 @@ class AlertConfig(BaseModel):
     )
     threshold: float | None = Field(
         None,
-        description="Absolute level the signal must stay above; default per signal: mi_zscore_ema 0.0, "
-        "retrieval_above_chance 0.02, mi_estimate 0.01 nats.",
+        description="Absolute level the signal must stay above; default per signal: "
+        + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
+        + " (mi_estimate in nats per token).",
     )
     drop_fraction: float = Field(0.4, gt=0, le=1, description="Relative drop from the baseline that counts.")
     baseline_steps: int = Field(5, ge=1, description="Scored steps whose median is the baseline.")
@@ -86,9 +93,9 @@ class AlertConfig(BaseModel):
 class Episode:
     """One alert of one rule: when it began, fired and resolved, and the figures behind it."""
 
-    rule: str
+    rule: RuleName
     sampler: str
-    state: str  # pending | firing | resolved
+    state: AlertState
     onset_step: int
     fired_step: int | None
     resolved_step: int | None
@@ -100,11 +107,36 @@ class Episode:
     description: str
 
     @property
-    def severity(self) -> str:
+    def severity(self) -> Severity:
         return SEVERITY[self.rule]
 
 
-def evaluate(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
+@dataclass(frozen=True)
+class _Span:
+    """Where one episode lies on the step axis, as the state machine found it."""
+
+    onset: int
+    fired: int | None
+    resolved: int | None
+    last: int
+
+    @property
+    def state(self) -> AlertState:
+        return "resolved" if self.resolved is not None else "firing" if self.fired is not None else "pending"
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """What an episode reports at its last step."""
+
+    value: float
+    baseline: float
+    threshold: float
+    summary: str
+    description: str
+
+
+def evaluate(run: str, sampler: str, series: Series, config: AlertSettings) -> list[Episode]:
     """Every alert episode the rules produce on this (run, sampler)'s history, oldest first."""
     if not config.enabled:
         return []
@@ -124,20 +156,17 @@ def _aligned(series: Series, *names: str) -> list[tuple[int, tuple[float, ...]]]
     return [(s, tuple(m[s] for m in maps)) for s in steps]
 
 
-def _machine(
-    steps: Sequence[int], holds: Sequence[bool], ready: Sequence[bool], resolve_window: int
-) -> list[tuple[int, int | None, int | None, int]]:
-    """(onset, fired, resolved, last) per episode; ``ready[i]``: long enough to fire at step i."""
-    episodes: list[tuple[int, int | None, int | None, int]] = []
+def _spans(steps: Sequence[int], holds: Sequence[bool], ready: Sequence[bool], resolve_window: int) -> list[_Span]:
+    """The state machine over a history; ``ready[i]``: the condition held long enough to fire at step i."""
+    spans: list[_Span] = []
     onset: int | None = None
     fired: int | None = None
     clear = 0
     for step, hold, can_fire in zip(steps, holds, ready, strict=True):
-        if fired is not None:  # firing: resolve after enough consecutive clear steps
+        if onset is not None and fired is not None:  # firing: resolve after enough consecutive clear steps
             clear = 0 if hold else clear + 1
             if clear >= resolve_window:
-                assert onset is not None
-                episodes.append((onset, fired, step, step))
+                spans.append(_Span(onset, fired, step, step))
                 onset, fired, clear = None, None, 0
             continue
         if hold:
@@ -147,8 +176,8 @@ def _machine(
         else:
             onset = None  # a pending condition that breaks is dropped
     if onset is not None:
-        episodes.append((onset, fired, None, steps[-1]))
-    return episodes
+        spans.append(_Span(onset, fired, None, steps[-1]))
+    return spans
 
 
 def _streaks(holds: Sequence[bool]) -> list[int]:
@@ -159,11 +188,53 @@ def _streaks(holds: Sequence[bool]) -> list[int]:
     return out
 
 
-def _state(fired: int | None, resolved: int | None) -> str:
-    return "resolved" if resolved is not None else "firing" if fired is not None else "pending"
+def _episodes(
+    rule: RuleName,
+    sampler: str,
+    steps: Sequence[int],
+    holds: Sequence[bool],
+    ready: Sequence[bool],
+    config: AlertSettings,
+    figures: Callable[[_Span], _Figures],
+) -> list[Episode]:
+    """Runs the state machine and describes each episode it finds with ``figures``."""
+    episodes = []
+    for span in _spans(steps, holds, ready, config.resolve_window):
+        at = figures(span)
+        episodes.append(
+            Episode(
+                rule=rule,
+                sampler=sampler,
+                state=span.state,
+                onset_step=span.onset,
+                fired_step=span.fired,
+                resolved_step=span.resolved,
+                last_step=span.last,
+                value=at.value,
+                baseline=at.baseline,
+                threshold=at.threshold,
+                summary=at.summary,
+                description=at.description,
+            )
+        )
+    return episodes
 
 
-def _template_episodes(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
+def _level(threshold: float, baseline: float, drop_fraction: float) -> float:
+    """Below this a signal counts as low: the absolute threshold, or the relative drop when higher."""
+    # A relative drop means nothing from a baseline at or below zero.
+    return max(threshold, (1 - drop_fraction) * baseline) if baseline > 0 else threshold
+
+
+TEMPLATE_ADVICE = (
+    "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "
+    "collapse). Check which prompts lost input dependence in the per-prompt breakdown of the latest batch "
+    "(GET /v1/batches/{id}); enable SNR-aware filtering (RAGEN's rollout filter, top_p 0.9) or lower its "
+    "top_p; lower the KL or entropy-regularization weight."
+)
+
+
+def _template_episodes(run: str, sampler: str, series: Series, config: AlertSettings) -> list[Episode]:
     signal = config.signal
     rows = _aligned(series, signal, "conditional_entropy_est")
     signal_base = _baseline(series.get(signal, []), config.baseline_steps)
@@ -183,54 +254,34 @@ def _template_episodes(run: str, sampler: str, series: Series, config: AlertConf
         and (not confirm or ci_high.get(step, float("inf")) < mi_level)
         for step, (value, entropy) in rows
     ]
-    ready = [n >= config.window for n in _streaks(holds)]
-    episodes = []
     values = dict(rows)
-    for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
-        value, entropy = values[last]
-        streak = sum(1 for s, _ in rows if onset <= s <= last)
+
+    def figures(span: _Span) -> _Figures:
+        value, entropy = values[span.last]
+        streak = sum(1 for s, _ in rows if span.onset <= s <= span.last)
         bound = (
-            f" (the 95% interval of mi_estimate reaches {ci_high[last]:.4g}, under {mi_level:.4g})"
-            if confirm and last in ci_high
+            f" (the 95% interval of mi_estimate reaches {ci_high[span.last]:.4g}, under {mi_level:.4g})"
+            if confirm and span.last in ci_high
             else ""
         )
         summary = (
-            f"{TEMPLATE} on run {run} ({sampler}) at step {last}: {signal} {value:.4g} fell below "
-            f"{level:.4g} (baseline {signal_base:.4g}){bound} over {streak} scored steps since step {onset}, while "
-            f"H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
+            f"{TEMPLATE} on run {run} ({sampler}) at step {span.last}: {signal} {value:.4g} fell below "
+            f"{level:.4g} (baseline {signal_base:.4g}){bound} over {streak} scored steps since step {span.onset}, "
+            f"while H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
         )
-        description = (
-            "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "
-            "collapse). Check which prompts lost input dependence in the per-prompt breakdown of the latest batch "
-            "(GET /v1/batches/{id}); enable SNR-aware filtering (RAGEN's rollout filter, top_p 0.9) or lower its "
-            "top_p; lower the KL or entropy-regularization weight."
-        )
-        episodes.append(
-            Episode(
-                TEMPLATE,
-                sampler,
-                _state(fired, resolved),
-                onset,
-                fired,
-                resolved,
-                last,
-                value,
-                signal_base,
-                level,
-                summary,
-                description,
-            )
-        )
-    return episodes
+        return _Figures(value, signal_base, level, summary, TEMPLATE_ADVICE)
+
+    ready = [n >= config.window for n in _streaks(holds)]
+    return _episodes(TEMPLATE, sampler, [s for s, _ in rows], holds, ready, config, figures)
 
 
-def _level(threshold: float, baseline: float, drop_fraction: float) -> float:
-    """Below this a signal counts as low: the absolute threshold, or the relative drop when higher."""
-    # A relative drop means nothing from a baseline at or below zero.
-    return max(threshold, (1 - drop_fraction) * baseline) if baseline > 0 else threshold
+ENTROPY_ADVICE = (
+    "Reasoning became (nearly) deterministic for each input. Raise the rollout temperature or the "
+    "entropy bonus, or lower the learning rate; watch whether MI follows."
+)
 
 
-def _entropy_episodes(run: str, sampler: str, series: Series, config: AlertConfig) -> list[Episode]:
+def _entropy_episodes(run: str, sampler: str, series: Series, config: AlertSettings) -> list[Episode]:
     name = config.entropy_signal
     rows = series.get(name, [])
     base = _baseline(rows, config.baseline_steps)
@@ -238,38 +289,28 @@ def _entropy_episodes(run: str, sampler: str, series: Series, config: AlertConfi
         return []
     floor = config.entropy_floor * base
     holds = [value < floor for _, value in rows]
-    ready = [n >= config.window for n in _streaks(holds)]
     values = dict(rows)
-    episodes = []
-    for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
+
+    def figures(span: _Span) -> _Figures:
         summary = (
-            f"{ENTROPY} on run {run} ({sampler}) at step {last}: {name} {values[last]:.4g} fell below "
-            f"{config.entropy_floor:.0%} of its baseline {base:.4g} (since step {onset})"
+            f"{ENTROPY} on run {run} ({sampler}) at step {span.last}: {name} {values[span.last]:.4g} fell below "
+            f"{config.entropy_floor:.0%} of its baseline {base:.4g} (since step {span.onset})"
         )
-        description = (
-            "Reasoning became (nearly) deterministic for each input. Raise the rollout temperature or the "
-            "entropy bonus, or lower the learning rate; watch whether MI follows."
-        )
-        episodes.append(
-            Episode(
-                ENTROPY,
-                sampler,
-                _state(fired, resolved),
-                onset,
-                fired,
-                resolved,
-                last,
-                values[last],
-                base,
-                floor,
-                summary,
-                description,
-            )
-        )
-    return episodes
+        return _Figures(values[span.last], base, floor, summary, ENTROPY_ADVICE)
+
+    ready = [n >= config.window for n in _streaks(holds)]
+    return _episodes(ENTROPY, sampler, [s for s, _ in rows], holds, ready, config, figures)
 
 
-def _reward_episodes(run: str, series: Series, config: AlertConfig) -> list[Episode]:
+REWARD_ADVICE = (
+    "Rewards barely vary within prompt groups, so policy-gradient updates carry little signal relative to "
+    "noise: the low-SNR regime that drives template collapse. Enable SNR-aware filtering (RAGEN's rollout "
+    "filter: strategy top_p, linear, value 0.9) to train on the groups with the most reward spread; if it "
+    "is on, lower its value (e.g. 0.7)."
+)
+
+
+def _reward_episodes(run: str, series: Series, config: AlertSettings) -> list[Episode]:
     std_name, zero_name = "rollout/in_group_reward_std", "zero_variance_group_ratio"
     rows = _aligned(series, std_name, zero_name)
     base = _baseline(series.get(std_name, []), config.baseline_steps)
@@ -284,42 +325,24 @@ def _reward_episodes(run: str, series: Series, config: AlertConfig) -> list[Epis
     ]
     values = dict(rows)
     kept = dict(series.get("rollout/filter_kept_ratio", []))
-    episodes = []
-    for onset, fired, resolved, last in _machine([s for s, _ in rows], holds, ready, config.resolve_window):
-        std, zero = values[last]
+
+    def figures(span: _Span) -> _Figures:
+        std, zero = values[span.last]
         summary = (
-            f"{REWARD} on run {run} at step {last}: mean in-group reward std {std:.4g} "
-            f"(baseline {base:.4g}), {zero:.0%} of prompt groups without reward variance (since step {onset})"
+            f"{REWARD} on run {run} at step {span.last}: mean in-group reward std {std:.4g} "
+            f"(baseline {base:.4g}), {zero:.0%} of prompt groups without reward variance (since step {span.onset})"
         )
         advice = (
-            f" On step {last} a top_p 0.9 filter would keep {kept[last]:.0%} of the groups." if last in kept else ""
+            f" On step {span.last} a top_p 0.9 filter would keep {kept[span.last]:.0%} of the groups."
+            if span.last in kept
+            else ""
         )
-        description = (
-            "Rewards barely vary within prompt groups, so policy-gradient updates carry little signal relative to "
-            "noise: the low-SNR regime that drives template collapse. Enable SNR-aware filtering (RAGEN's rollout "
-            "filter: strategy top_p, linear, value 0.9) to train on the groups with the most reward spread; if it "
-            f"is on, lower its value (e.g. 0.7).{advice}"
-        )
-        episodes.append(
-            Episode(
-                REWARD,
-                "all",
-                _state(fired, resolved),
-                onset,
-                fired,
-                resolved,
-                last,
-                std,
-                base,
-                config.reward_std_fraction * base,
-                summary,
-                description,
-            )
-        )
-    return episodes
+        return _Figures(std, base, config.reward_std_fraction * base, summary, REWARD_ADVICE + advice)
+
+    return _episodes(REWARD, "all", [s for s, _ in rows], holds, ready, config, figures)
 
 
-def needed_series(config: AlertConfig) -> tuple[str, ...]:
+def needed_series(config: AlertSettings) -> tuple[str, ...]:
     """The stored names the rules read."""
     return (
         config.signal,
@@ -331,3 +354,22 @@ def needed_series(config: AlertConfig) -> tuple[str, ...]:
         "zero_variance_group_ratio",
         "rollout/filter_kept_ratio",
     )
+
+
+def settings_table() -> str:
+    """The defaults table of docs/alerts.md, generated from ``AlertSettings`` (a test keeps them equal)."""
+    lines = ["| setting | default | meaning |", "| --- | --- | --- |"]
+    for name, field in AlertSettings.model_fields.items():
+        default = field.default
+        shown = (
+            "per signal" if default is None else f"`{str(default).lower() if isinstance(default, bool) else default}`"
+        )
+        meaning = (field.description or "").replace("|", "\\|")
+        lines.append(f"| `{name}` | {shown} | {meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(settings_table())

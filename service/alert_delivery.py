@@ -10,46 +10,46 @@ dispatcher leases due notifications, POSTs them, and on failure retries with exp
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
-import uuid
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.background import owner_id, poll
+from service.schemas import AlertDocument
 from service.settings import Settings
 from service.storage import queries
-from service.storage.tables import Alert, AlertDelivery, utcnow
+from service.storage.tables import Alert, AlertDelivery, as_utc, iso_time, utcnow
 
-log = logging.getLogger("collapse_monitor.delivery")
+log = logging.getLogger("collapse_monitor.alert_delivery")
 ICONS = {"firing": ":rotating_light:", "resolved": ":white_check_mark:"}
 
 
-def alert_document(alert: Alert, run: str) -> dict[str, Any]:
-    return {
-        "rule": alert.rule,
-        "severity": alert.severity,
-        "run": run,
-        "sampler": alert.sampler,
-        "state": alert.state,
-        "onset_step": alert.onset_step,
-        "fired_step": alert.fired_step,
-        "resolved_step": alert.resolved_step,
-        "step": alert.last_step,
-        "value": alert.value,
-        "baseline": alert.baseline,
-        "threshold": alert.threshold,
-        "summary": alert.summary,
-        "description": alert.description,
-    }
+def alert_document(alert: Alert, run: str) -> AlertDocument:
+    """An alert as receivers and the API see it."""
+    return AlertDocument(
+        rule=alert.rule,
+        severity=alert.severity,
+        run=run,
+        sampler=alert.sampler,
+        state=alert.state,
+        onset_step=alert.onset_step,
+        fired_step=alert.fired_step,
+        resolved_step=alert.resolved_step,
+        step=alert.last_step,
+        value=alert.value,
+        baseline=alert.baseline,
+        threshold=alert.threshold,
+        summary=alert.summary,
+        description=alert.description,
+    )
 
 
 def notifications(alert: Alert, run: str, event: str, settings: Settings) -> list[AlertDelivery]:
     """The deliveries one alert event owes every configured receiver."""
-    document = alert_document(alert, run)
+    document = alert_document(alert, run).model_dump(mode="json")
     out = [
         AlertDelivery(
             receiver="webhook", url=url, event=event, payload={"version": 1, "event": event, "alert": document}
@@ -78,7 +78,7 @@ def notifications(alert: Alert, run: str, event: str, settings: Settings) -> lis
 def alertmanager_alert(alert: Alert, run: str, event: str, public_url: str) -> dict[str, Any]:
     """Alertmanager v2 alert: a firing one is valid for an hour and refreshed at every scored step."""
     now = utcnow()
-    starts = queries.as_utc(alert.created_at) or now
+    starts = as_utc(alert.created_at) or now
     ends = now if event == "resolved" else now + timedelta(hours=1)
     return {
         "labels": {
@@ -89,14 +89,15 @@ def alertmanager_alert(alert: Alert, run: str, event: str, public_url: str) -> d
             "service": "collapse-monitor",
         },
         "annotations": {"summary": alert.summary, "description": alert.description},
-        "startsAt": _iso(starts),
-        "endsAt": _iso(ends),
+        "startsAt": iso_time(starts),
+        "endsAt": iso_time(ends),
         "generatorURL": f"{public_url.rstrip('/')}/v1/runs/{run}/alerts" if public_url else "",
     }
 
 
-def _iso(moment: datetime) -> str:
-    return moment.isoformat().replace("+00:00", "Z")
+def retry_delay(attempts: int, settings: Settings) -> float:
+    """Seconds before the next try after ``attempts`` failed ones: doubling from the first delay, capped."""
+    return float(min(settings.delivery_backoff_seconds * 2 ** (attempts - 1), settings.delivery_backoff_max_seconds))
 
 
 class Dispatcher:
@@ -106,17 +107,11 @@ class Dispatcher:
         self.sessions = sessions
         self.settings = settings
         self.client = client
-        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.owner = owner_id()
 
     def run(self, stop: threading.Event, poll_seconds: float = 0.5) -> None:
-        while not stop.is_set():
-            try:
-                sent = self.run_once()
-            except Exception:
-                log.exception("dispatcher %s: a delivery round failed", self.owner)
-                sent = 0
-            if not sent:
-                stop.wait(poll_seconds)
+        """Sends due notifications until ``stop`` is set."""
+        poll(lambda: self.run_once() > 0, stop, poll_seconds, log, f"alert dispatcher {self.owner}")
 
     def run_once(self, limit: int = 20) -> int:
         """Tries every due notification once; returns how many it tried."""
@@ -152,10 +147,7 @@ class Dispatcher:
             delivery.status = "failed"
             log.error("alert delivery %s to %s failed for good: %s", delivery.id, delivery.url, error)
             return
-        delay = min(
-            self.settings.delivery_backoff_seconds * 2 ** (delivery.attempts - 1),
-            self.settings.delivery_backoff_max_seconds,
-        )
+        delay = retry_delay(delivery.attempts, self.settings)
         delivery.status, delivery.next_attempt_at = "pending", utcnow() + timedelta(seconds=delay)
         log.warning(
             "alert delivery %s to %s failed (try %d), retrying in %.1fs: %s",
@@ -165,10 +157,3 @@ class Dispatcher:
             delay,
             error,
         )
-
-
-def start_in_thread(dispatcher: Dispatcher) -> tuple[threading.Thread, threading.Event]:
-    stop = threading.Event()
-    thread = threading.Thread(target=dispatcher.run, args=(stop,), name="collapse-monitor-alerts", daemon=True)
-    thread.start()
-    return thread, stop

@@ -1,0 +1,82 @@
+"""A scored step in storage: what it writes (``ScoredBatch``) and writing it; the EMA states it starts from.
+
+Rollout batches (scored by a worker) and matrix batches (scored at ingest) write the same things
+in the caller's transaction: metric points, the latest values, EMA states, and the alert state
+the new figures lead to. Must not import fastapi or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session
+
+from scoring.estimators import Diagnostics, EmaState
+from service.alert_state import update_alerts
+from service.runs import RunSnapshot
+from service.schemas import BatchResult, SamplerResult
+from service.settings import Settings
+from service.storage import queries
+from service.storage.queries import Point
+
+ALL = "all"  # the sampler label of batch-level figures (rewards, coverage)
+
+
+@dataclass
+class ScoredBatch:
+    """Everything one scored batch writes, in one transaction."""
+
+    result: BatchResult
+    points: list[Point] = field(default_factory=list)
+    ema: dict[str, EmaState] = field(default_factory=dict)
+    tokens: int = 0
+    scorer: str | None = None
+    checkpoint: str | None = None
+
+    def skip_sampler(self, sampler: str, reason: str) -> None:
+        self.result.samplers = self.result.samplers or {}
+        self.result.samplers[sampler] = SamplerResult(skipped_reason=reason)
+
+    def add_sampler(
+        self, sampler: str, diagnostics: Diagnostics, ema: EmaState, rows: int, columns: int, entropy: dict[str, float]
+    ) -> None:
+        """One sampler's diagnostics: its result, its points, and its EMA when it scored anything."""
+        self.result.samplers = self.result.samplers or {}
+        self.result.samplers[sampler] = SamplerResult.of(diagnostics, rows, columns, entropy)
+        self.points.extend(sampler_points(sampler, diagnostics, entropy, rows, columns))
+        if diagnostics.metrics:
+            self.ema[sampler] = ema
+
+
+def sampler_points(
+    sampler: str, diagnostics: Diagnostics, entropy: dict[str, float], rows: int, columns: int
+) -> list[Point]:
+    """The stored series of one sampler's diagnostics: metrics, entropies, interval bounds, shape."""
+    values = dict(diagnostics.metrics)
+    values.update(entropy)
+    for name, (low, high) in diagnostics.intervals.items():
+        values[f"{name}_ci_low"], values[f"{name}_ci_high"] = low, high
+    values["rows"], values["columns"] = float(rows), float(columns)
+    return [Point(sampler, name, float(value)) for name, value in values.items()]
+
+
+def load_emas(session: Session, run_id: int, samplers: Iterable[str]) -> dict[str, EmaState]:
+    """The EMA state each sampler's next scored step starts from (absent before its first)."""
+    emas = {}
+    for sampler in samplers:
+        record = queries.ema_state(session, run_id, sampler)
+        if record is not None:
+            emas[sampler] = EmaState(record.marginal_std, record.marginal_std_seq)
+    return emas
+
+
+def record_step(
+    session: Session, run: RunSnapshot, batch_id: str, step: int, scored: ScoredBatch, settings: Settings
+) -> None:
+    """Writes a scored batch's points and EMA states, then re-evaluates the alerts they touch."""
+    queries.record_points(session, run.id, batch_id, step, scored.points, scored.scorer, scored.checkpoint)
+    for sampler, ema in scored.ema.items():
+        queries.save_ema(session, run.id, sampler, step, ema)
+    samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
+    update_alerts(session, run, step, samplers, settings)

@@ -1,0 +1,168 @@
+"""Runs: creating one (idempotently), what scoring needs to know of one, and its policy checkpoints.
+
+The HTTP handlers only parse and respond; the rules live here. Must not import fastapi.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.alert_rules import AlertSettings
+from service.errors import InvalidRequest, NotFound, RunConflict
+from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
+from service.settings import Settings
+from service.storage import queries
+from service.storage.tables import Checkpoint, Run
+
+
+@dataclass(frozen=True)
+class RunSnapshot:
+    """What scoring and the alert rules need to know about a run, detached from any session."""
+
+    id: int
+    name: str
+    scorer: str
+    scorer_mode: str
+    score_every: int
+    samplers: tuple[str, ...]
+    num_samples: int | None
+    seed: int
+    temperature: float
+    filter: dict[str, Any]
+    alerts: AlertSettings
+
+    @classmethod
+    def of(cls, run: Run) -> RunSnapshot:
+        return cls(
+            id=run.id,
+            name=run.name,
+            scorer=run.scorer,
+            scorer_mode=run.scorer_mode,
+            score_every=run.score_every,
+            samplers=tuple(run.samplers),
+            num_samples=run.num_samples,
+            seed=run.seed,
+            temperature=run.temperature,
+            filter=dict(run.filter),
+            alerts=AlertSettings.model_validate(run.alert_rules),
+        )
+
+
+def require_run(session: Session, name: str) -> Run:
+    """The run called ``name``, or 404."""
+    run = queries.run_by_name(session, name)
+    if run is None:
+        raise NotFound(f"run {name!r} does not exist; create it with POST /v1/runs", field="run")
+    return run
+
+
+def run_settings(run: Run) -> RunCreate:
+    """A stored run's settings in the form they were created with."""
+    return RunCreate.model_validate(
+        {
+            "name": run.name,
+            "project": run.project,
+            "metadata": run.details,
+            "scorer": run.scorer,
+            "scorer_mode": run.scorer_mode,
+            "schedule": {"every": run.score_every},
+            "sampler": {"samplers": run.samplers, "num_samples": run.num_samples, "seed": run.seed},
+            "temperature": run.temperature,
+            "filter": run.filter,
+            "alerts": run.alert_rules,
+        }
+    )
+
+
+def run_response(session: Session, run: Run) -> RunResponse:
+    return RunResponse(
+        **run_settings(run).model_dump(),
+        id=run.id,
+        created_at=run.created_at.isoformat(),
+        last_step=queries.last_step(session, run.id),
+        batches=queries.batch_counts(session, run.id),
+    )
+
+
+def create_run(sessions: sessionmaker[Session], settings: Settings, body: RunCreate) -> tuple[RunResponse, bool]:
+    """Creates a run; returns ``(run, created)``. The same name with the same settings returns the
+    existing run (a restarted trainer re-posts it); with other settings it is refused (409)."""
+    wanted = body.model_copy(update={"scorer": body.scorer or settings.default_scorer})
+    if wanted.scorer not in settings.scorers:
+        raise InvalidRequest(
+            f"scorer must be one of {', '.join(settings.scorers)}, got {wanted.scorer!r}", field="scorer"
+        )
+    with sessions.begin() as session:
+        existing = queries.run_by_name(session, body.name)
+        if existing is not None:
+            _check_same_settings(run_settings(existing), wanted)
+            return run_response(session, existing), False
+        run = Run(
+            name=wanted.name,
+            project=wanted.project,
+            details=wanted.metadata.model_dump(),
+            scorer=wanted.scorer,
+            scorer_mode=wanted.scorer_mode,
+            score_every=wanted.schedule.every,
+            samplers=list(wanted.sampler.samplers),
+            num_samples=wanted.sampler.num_samples,
+            seed=wanted.sampler.seed,
+            temperature=wanted.temperature,
+            filter=wanted.filter.model_dump(),
+            alert_rules=wanted.alerts.model_dump(),
+        )
+        session.add(run)
+        session.flush()
+        return run_response(session, run), True
+
+
+def _check_same_settings(stored: RunCreate, wanted: RunCreate) -> None:
+    if stored == wanted:
+        return
+    changed = [k for k in RunCreate.model_fields if getattr(stored, k) != getattr(wanted, k)]
+    raise RunConflict(
+        f"run {wanted.name!r} exists with different settings ({', '.join(changed)}); use a new name for new settings",
+        field=changed[0],
+    )
+
+
+def announce_checkpoint(
+    sessions: sessionmaker[Session], settings: Settings, run_name: str, body: CheckpointIn
+) -> CheckpointResponse:
+    """Records a policy checkpoint; later batches of a ``policy``-mode run are scored with it."""
+    folder = resolve_checkpoint(settings, body.path, body.kind)
+    with sessions.begin() as session:
+        run = require_run(session, run_name)
+        checkpoint = Checkpoint(run_id=run.id, path=str(folder), kind=body.kind, step=body.step)
+        session.add(checkpoint)
+        session.flush()
+        return CheckpointResponse(
+            path=checkpoint.path,
+            kind=body.kind,
+            step=body.step,
+            id=checkpoint.id,
+            created_at=checkpoint.created_at.isoformat(),
+        )
+
+
+def resolve_checkpoint(settings: Settings, path: str, kind: str) -> Path:
+    """The checkpoint folder ``path`` names, if it lies under the allow-listed root and looks right."""
+    if settings.checkpoint_root is None:
+        raise InvalidRequest(
+            "checkpoints are disabled on this server: set checkpoint_root (COLLAPSE_MONITOR_CHECKPOINT_ROOT)",
+            field="path",
+        )
+    root = settings.checkpoint_root.resolve()
+    folder = (root / path).resolve()
+    if not folder.is_relative_to(root):
+        raise InvalidRequest(f"path must lie under the checkpoint root {str(root)!r}, got {path!r}", field="path")
+    marker = "adapter_config.json" if kind == "lora" else "config.json"
+    if not (folder / marker).is_file():
+        raise InvalidRequest(
+            f"a {kind} checkpoint folder must contain {marker}; {str(folder)!r} does not", field="path"
+        )
+    return folder

@@ -1,0 +1,33 @@
+"""AppState: what the composition root (``service.app``) builds and the HTTP handlers use.
+
+Its own module so that the routers depend on the state's type, never on the app that builds it.
+Must not import fastapi or torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.metrics import ServiceMetrics
+from service.settings import Settings
+
+if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
+    from service.scorers import ScorerPool
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    engine: Engine
+    sessions: sessionmaker[Session]
+    registry: CollectorRegistry
+    metrics: ServiceMetrics
+    pool: ScorerPool | None = None  # only with an embedded worker
+    scorer_ready: threading.Event = field(default_factory=threading.Event)
+    scorer_error: str | None = None
