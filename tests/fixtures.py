@@ -52,7 +52,8 @@ def postgres_url() -> Iterator[str]:
 def database_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'monitor.db'}"
-    return request.getfixturevalue("postgres_url")
+    url: str = request.getfixturevalue("postgres_url")
+    return url
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def client_for(settings_for):
 def wait_for(client: TestClient, batch_id: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = client.get(f"/v1/batches/{batch_id}").json()
+        status: dict = client.get(f"/v1/batches/{batch_id}").json()
         if status["status"] in ("done", "failed"):
             return status
         time.sleep(0.05)

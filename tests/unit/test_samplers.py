@@ -32,6 +32,7 @@ def trajectories():
 
 def test_first_turn_drops_empty_reasoning_and_keeps_group_columns():
     rows = sample_first_turn(trajectories(), num_samples=None, seed=0)
+    assert rows is not None
     assert [m for m, _ in rows.sources] == [0, 1, 3, 4, 5, 6, 7]
     assert rows.batch.column_group_ids == (0, 1, 2, 3)
     assert rows.batch.column_prompts == ((0, 0), (1, 0), (2, 0), (3, 0))
@@ -39,6 +40,7 @@ def test_first_turn_drops_empty_reasoning_and_keeps_group_columns():
 
 def test_first_turn_draws_without_replacement_as_ragen_does():
     rows = sample_first_turn(trajectories(), num_samples=4, seed=123)
+    assert rows is not None
     valid = [0, 1, 3, 4, 5, 6, 7]
     expected = np.random.RandomState(123).choice(valid, 4, replace=False)
     assert [m for m, _ in rows.sources] == list(expected)
@@ -48,6 +50,7 @@ def test_first_turn_draws_without_replacement_as_ragen_does():
 
 def test_trajectory_uniform_draws_with_replacement_each_draw_its_own_column():
     rows = sample_trajectory_uniform(trajectories(), num_samples=12, seed=7)
+    assert rows is not None
     assert rows.batch.n_columns == 12
     rng = np.random.RandomState(7)
     usable = {m: [t for t in range(3) if trajectories()[m].turns[t].reasoning_ids] for m in range(8)}
@@ -61,6 +64,7 @@ def test_trajectory_uniform_draws_with_replacement_each_draw_its_own_column():
 
 def test_trajectory_uniform_caps_draws_at_the_usable_turns():
     rows = sample_trajectory_uniform(trajectories(), num_samples=None, seed=0)
+    assert rows is not None
     assert rows.batch.n_rows == 8 * 3 - 4 - 1  # 24 turns, 4 empty second turns, 1 empty first turn
 
 

@@ -1,0 +1,69 @@
+"""service/batch_scoring.py without a database: the schedule and a batch's reward figures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scoring.snr_filter import FilterConfig, filter_groups
+from service.batch_scoring import is_scheduled, reward_figures
+from service.schemas import BatchIn, FilterSettings
+
+
+@pytest.mark.parametrize(
+    ("every", "scheduled"),
+    [(1, [0, 1, 2, 3, 4, 5, 6]), (3, [1, 3, 6]), (5, [1, 5])],
+)
+def test_the_schedule_is_ragens_compute_freq_step_1_and_multiples(every, scheduled):
+    assert [step for step in range(7) if is_scheduled(step, every)] == scheduled
+
+
+def batch(rewards: dict[int, list[float]], reasoning: bool = True, entropies: list[float] | None = None) -> BatchIn:
+    response = "<think>I look at the board.</think><answer>Up</answer>" if reasoning else "<answer>Up</answer>"
+    return BatchIn.model_validate(
+        {
+            "step": 1,
+            "trajectories": [
+                {
+                    "group_id": g,
+                    "reward": r,
+                    "turns": [{"prompt": f"board {g}", "response": response, "token_entropies": entropies}],
+                }
+                for g, values in rewards.items()
+                for r in values
+            ],
+        }
+    )
+
+
+def test_reward_figures_are_the_filters_figures_of_the_groups_plus_batch_figures():
+    rewards = {3: [1.0, 0.0, 1.0], 0: [0.5, 0.5], 7: [2.0, 0.0, 1.0, 1.0]}
+    result, figures = reward_figures(batch(rewards), FilterSettings().model_dump())
+    assert result.group_ids == [0, 3, 7]
+    expected = filter_groups([rewards[0], rewards[3], rewards[7]], FilterConfig())
+    assert result.group_reward_std == expected.group_reward_std
+    assert result.selected_group_ids == [[0, 3, 7][i] for i in expected.selected_groups]
+    for name, value in expected.metrics.items():
+        assert figures[name] == value
+    every = [r for values in rewards.values() for r in values]
+    assert figures["reward_mean"] == pytest.approx(np.mean(every))
+    assert figures["num_groups"] == 3
+    assert figures["num_trajectories"] == 9
+    assert figures["zero_variance_group_ratio"] == pytest.approx(1 / 3)  # group 0
+    assert figures["valid_thinking_rate"] == 1.0
+    assert "trainer_token_entropy_mean" not in figures
+
+
+def test_trainer_entropies_and_missing_reasoning_show_in_the_figures():
+    _, figures = reward_figures(batch({0: [1.0, 0.0]}, reasoning=False, entropies=[1.0, 3.0]), {})
+    assert figures["trainer_token_entropy_mean"] == 2.0
+    assert figures["valid_thinking_rate"] == 0.0
+
+
+def test_the_run_filter_settings_decide_what_would_be_kept():
+    rewards = {0: [0.0, 1.0], 1: [0.0, 0.1], 2: [0.0, 0.0]}
+    top_k = FilterSettings(strategy="top_k_abs", value=1).model_dump()
+    result, figures = reward_figures(batch(rewards), top_k)
+    assert result.selected_group_ids == [0]
+    assert figures["rollout/filter_kept_ratio"] == pytest.approx(1 / 3)
+    assert result.filter == top_k
