@@ -1,11 +1,17 @@
 """Ingest speed: batches per second and latency of POST /v1/runs/{run}/batches, against /healthz.
 
     python bench/ingest.py [--requests 300] [--backends sqlite,postgres]
+    python bench/ingest.py --clients 8,32 [--requests 100] [--backends postgres]
+    python bench/ingest.py --scoring-under-load 32 [--backends sqlite,postgres]
 
-Starts ``collapse-monitor serve`` (one uvicorn process, scoring paused so that only ingest is
-measured) on each backend, sends realistic batches (64 trajectories x 2 turns, ~1 KB of text per
-turn) one after another over a keep-alive connection, and measures /healthz the same way in the
-same run as the baseline. Prints one JSON object per backend.
+Starts ``collapse-monitor serve`` (one uvicorn process) on each backend and sends realistic
+batches (64 trajectories x 2 turns, ~1 KB of text per turn). Sequential (default): one client over
+a keep-alive connection, scoring paused, /healthz measured the same way in the same run as the
+baseline. ``--clients``: that many concurrent clients, each its own run, ``--requests`` batches
+each. ``--scoring-under-load N``: the embedded worker scores a fixed set of small batches (tiny
+model) once idle and once while N clients ingest; the ratio of the two throughputs is the cost
+of ingest to scoring. Rate limits and per-run queue limits are off, so that only the server's
+work is measured. Prints one JSON object per measurement.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +33,7 @@ from sqlalchemy import create_engine, text
 
 PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 BIN = Path(sys.executable).parent
+JSON = {"content-type": "application/json"}
 
 
 def batch(step: int) -> dict:
@@ -35,9 +43,10 @@ def batch(step: int) -> dict:
         turns = []
         for k in range(2):
             prompt = (
-                f"<|im_start|>user\nTrajectory {t}, turn {k}. " + filler * 7 + "<|im_end|>\n<|im_start|>assistant\n"
+                f"<|im_start|>user\nBoard {t // 8}, turn {k}. " + filler * 7 + "<|im_end|>\n<|im_start|>assistant\n"
             )
-            response = "<think>" + filler * 2 + f"So I move {'Up' if k else 'Left'}.</think><answer>Up</answer>"
+            action = "Up" if k else "Left"
+            response = "<think>" + filler * 2 + f"Rollout {t}: I move {action}.</think><answer>{action}</answer>"
             turns.append({"prompt": prompt, "response": response})
         trajectories.append({"group_id": t // 8, "reward": float(t % 2), "turns": turns})
     return {"step": step, "batch_id": f"bench-{step}", "trajectories": trajectories}
@@ -77,14 +86,107 @@ def measure(base: str, requests: int) -> dict:
     }
 
 
-def serve(database_url: str, data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def concurrent(base: str, clients: int, requests: int) -> dict:
+    """``clients`` trainers at once, each posting ``requests`` batches to its own run as fast as it can."""
+    bodies = [json.dumps(batch(step)).encode() for step in range(requests)]
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    barrier = threading.Barrier(clients + 1)
+
+    def trainer(i: int) -> None:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            http.post("/v1/runs", json={"name": f"load-{i}"})
+            http.post(f"/v1/runs/load-{i}/batches", content=bodies[0], headers=JSON)  # warm-up
+            barrier.wait()
+            for body in bodies[1:]:
+                t0 = time.perf_counter()
+                response = http.post(f"/v1/runs/load-{i}/batches", content=body, headers=JSON)
+                latencies[i].append(time.perf_counter() - t0)
+                assert response.status_code == 202, response.text
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    every = [t for per_client in latencies for t in per_client]
+    return {
+        "clients": clients,
+        "requests": len(every),
+        "batches_per_second": round(len(every) / elapsed, 1),
+        "ingest": percentiles(every),
+    }
+
+
+def scoring_throughput(base: str, clients: int, batches: int = 12) -> dict:
+    """Batches/s of the embedded worker on small batches, idle and while ``clients`` ingest (ratio in one run)."""
+    small = [
+        {
+            "group_id": g,
+            "reward": float(k % 2),
+            "turns": [{"prompt": f"Board {g}.", "response": f"<think>{k} {g}</think>"}],
+        }
+        for g in range(4)
+        for k in range(2)
+    ]
+
+    def score_all(run: str) -> float:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            http.post("/v1/runs", json={"name": run, "sampler": {"num_samples": 8}})
+            start = time.perf_counter()
+            ids = [
+                http.post(f"/v1/runs/{run}/batches", json={"step": s, "trajectories": small}).json()["batch_id"]
+                for s in range(1, batches + 1)
+            ]
+            while http.get(f"/v1/batches/{ids[-1]}").json()["status"] not in ("done", "failed"):
+                time.sleep(0.02)
+            return batches / (time.perf_counter() - start)
+
+    idle = score_all("scored-idle")
+    stop = threading.Event()
+
+    def trainer(i: int) -> None:
+        body = json.dumps(batch(0) | {"batch_id": None}).encode()
+        with httpx.Client(base_url=base, timeout=60) as http:
+            http.post("/v1/runs", json={"name": f"noise-{i}", "schedule": {"every": 1_000_000}})
+            step = 2  # off the schedule: these batches are only stored (and their rewards summarised)
+            while not stop.is_set():
+                http.post(
+                    f"/v1/runs/noise-{i}/batches",
+                    content=body.replace(b'"step": 0', f'"step": {step}'.encode()),
+                    headers=JSON,
+                )
+                step += 1
+
+    threads = [threading.Thread(target=trainer, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    loaded = score_all("scored-loaded")
+    stop.set()
+    for thread in threads:
+        thread.join()
+    return {
+        "ingest_clients": clients,
+        "scored_batches_per_second_idle": round(idle, 2),
+        "scored_batches_per_second_under_load": round(loaded, 2),
+        "under_load_over_idle": round(loaded / idle, 2),
+    }
+
+
+def serve(database_url: str, data_dir: Path, scoring: bool = False) -> tuple[subprocess.Popen[bytes], str]:
     port = 8700 + os.getpid() % 200
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
     env |= {
         "COLLAPSE_MONITOR_DATABASE_URL": database_url,
         "COLLAPSE_MONITOR_DATA_DIR": str(data_dir),
-        "COLLAPSE_MONITOR_SCORING_PAUSED": "true",
+        "COLLAPSE_MONITOR_SCORING_PAUSED": "false" if scoring else "true",
+        "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
         "COLLAPSE_MONITOR_MAX_QUEUE_DEPTH": "1000000",
+        "COLLAPSE_MONITOR_MAX_QUEUED_PER_RUN": "1000000",
+        "COLLAPSE_MONITOR_RATE_LIMIT_PER_SECOND": "0",
     }
     process = subprocess.Popen(
         [str(BIN / "collapse-monitor"), "serve", "--port", str(port)],
@@ -108,6 +210,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--backends", default="sqlite,postgres")
+    parser.add_argument("--clients", help="comma-separated numbers of concurrent clients, e.g. 8,32")
+    parser.add_argument("--scoring-under-load", type=int, metavar="N", help="ingesting clients while scoring")
     args = parser.parse_args()
     for backend in args.backends.split(","):
         with tempfile.TemporaryDirectory() as tmp:
@@ -119,9 +223,15 @@ def main() -> None:
                 url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
             else:
                 url = f"sqlite:///{Path(tmp) / 'bench.db'}"
-            process, base = serve(url, Path(tmp))
+            process, base = serve(url, Path(tmp), scoring=args.scoring_under_load is not None)
             try:
-                print(json.dumps({"backend": backend, **measure(base, args.requests)}))
+                if args.scoring_under_load is not None:
+                    print(json.dumps({"backend": backend, **scoring_throughput(base, args.scoring_under_load)}))
+                elif args.clients:
+                    for clients in (int(n) for n in args.clients.split(",")):
+                        print(json.dumps({"backend": backend, **concurrent(base, clients, args.requests)}))
+                else:
+                    print(json.dumps({"backend": backend, **measure(base, args.requests)}))
             finally:
                 process.terminate()
                 process.wait()

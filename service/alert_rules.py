@@ -35,6 +35,7 @@ Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], a
 RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal"]
 AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["critical", "warning"]
+MAX_WINDOW = 1000  # scored steps; every evaluation replays the history, so windows stay bounded
 SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
 TEMPLATE: RuleName = "TemplateCollapse"
 ENTROPY: RuleName = "EntropyCollapse"
@@ -46,7 +47,7 @@ class AlertSettings(BaseModel):
     """Alert thresholds of one run (``alerts`` in ``POST /v1/runs``); docs/alerts.md's table is generated
     from these fields."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = Field(True, description="Evaluate alert rules for this run.")
     signal: Literal["mi_zscore_ema", "retrieval_above_chance", "mi_estimate"] = Field(
@@ -54,14 +55,17 @@ class AlertSettings(BaseModel):
     )
     threshold: float | None = Field(
         None,
+        ge=-1e6,
+        le=1e6,
+        allow_inf_nan=False,
         description="Absolute level the signal must stay above; default per signal: "
         + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
         + " (mi_estimate in nats per token).",
     )
     drop_fraction: float = Field(0.4, gt=0, le=1, description="Relative drop from the baseline that counts.")
-    baseline_steps: int = Field(5, ge=1, description="Scored steps whose median is the baseline.")
-    window: int = Field(3, ge=1, description="Consecutive scored steps a condition must hold to fire.")
-    resolve_window: int = Field(2, ge=1, description="Consecutive scored steps without it to resolve.")
+    baseline_steps: int = Field(5, ge=1, le=MAX_WINDOW, description="Scored steps whose median is the baseline.")
+    window: int = Field(3, ge=1, le=MAX_WINDOW, description="Consecutive scored steps a condition must hold to fire.")
+    resolve_window: int = Field(2, ge=1, le=MAX_WINDOW, description="Consecutive scored steps without it to resolve.")
     entropy_signal: Literal["conditional_entropy_est", "token_entropy_mean"] = Field(
         "conditional_entropy_est", description="The entropy EntropyCollapse watches."
     )
@@ -71,12 +75,15 @@ class AlertSettings(BaseModel):
     entropy_band_above: float = Field(
         2.0,
         gt=0,
+        le=100,
         description="... and no higher than this share above it. Template reasoning often scores a higher per-token "
         "entropy than grounded reasoning (it is generic text), so the band is wide upwards.",
     )
     entropy_floor: float = Field(0.5, gt=0, lt=1, description="EntropyCollapse fires below this share of baseline.")
     reward_std_fraction: float = Field(0.1, gt=0, lt=1, description="LowRewardSignal: share of baseline reward std.")
-    reward_window: int = Field(10, ge=1, description="LowRewardSignal: consecutive steps of low reward std.")
+    reward_window: int = Field(
+        10, ge=1, le=MAX_WINDOW, description="LowRewardSignal: consecutive steps of low reward std."
+    )
     zero_variance_ratio: float = Field(0.5, gt=0, le=1, description="LowRewardSignal: zero-variance group share.")
     use_intervals: bool = Field(
         True,

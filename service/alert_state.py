@@ -66,6 +66,11 @@ def _reconcile(
     for alert in stored.values():
         if alert.state == "pending":
             session.delete(alert)  # its condition broke before it fired: nothing to tell
+        elif alert.state == "firing":
+            # The history it fired on was superseded (the run resumed from an earlier step).
+            alert.state, alert.resolved_step, alert.updated_at = "resolved", alert.last_step, utcnow()
+            alert.summary += f" (superseded: the run resumed before step {alert.onset_step})"
+            events.append((alert, "resolved"))
     return events
 
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -19,12 +18,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.alert_delivery import Dispatcher
 from service.api import alerts, batches, runs, system
+from service.api.middleware import BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
 from service.background import start_in_thread
-from service.errors import MonitorError, TooLarge, Unavailable, field_path
+from service.errors import MonitorError, field_path, rejection_reasons
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
 from service.settings import Settings
 from service.state import AppState
@@ -56,9 +55,13 @@ def create_app(settings: Settings) -> FastAPI:
         sessions = make_sessions(engine)
         registry = CollectorRegistry()
         state = AppState(
-            settings=settings, engine=engine, sessions=sessions, registry=registry, metrics=ServiceMetrics(registry)
+            settings=settings,
+            engine=engine,
+            sessions=sessions,
+            registry=registry,
+            metrics=ServiceMetrics(registry, rejection_reasons()),
         )
-        registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions)))
+        registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
         app.state.monitor = state
         threads = []
         if settings.embedded_worker and not settings.scoring_paused:
@@ -87,10 +90,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(system.router)
     app.add_exception_handler(MonitorError, _monitor_error)  # type: ignore[arg-type]  # Starlette's handler type is loose
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]  # as above
-    app.add_exception_handler(BodyTooLarge, _body_too_large)  # type: ignore[arg-type]  # as above
-    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
-
-    app.add_middleware(_CountRequests)
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]  # as above
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(NoNulInUrl)
+    if settings.rate_limit_per_second > 0:
+        app.add_middleware(RateLimit, rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
+    app.add_middleware(CountRequests)
     return app
 
 
@@ -116,96 +121,34 @@ def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading
 
 async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:
     request.app.state.monitor.metrics.rejections.labels(error.code).inc()
-    headers = {"Retry-After": str(error.retry_after)} if isinstance(error, Unavailable) else None
+    retry_after = getattr(error, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     request.app.state.monitor.metrics.rejections.labels("validation").inc()
-    detail = [
-        {"loc": list(e["loc"]), "field": field_path(e["loc"]), "msg": e["msg"], "type": e["type"]}
-        for e in error.errors()
-    ]
+    detail = []
+    for e in error.errors():
+        message, field = e["msg"], field_path(e["loc"]) or "body"
+        if e["type"] == "json_invalid":  # its location is a character offset, not a field
+            field = "body"
+            message = f"{message}: {e.get('ctx', {}).get('error', 'not valid JSON')} (at character {e['loc'][-1]})"
+        detail.append({"loc": list(e["loc"]), "field": field, "msg": message, "type": e["type"]})
     return JSONResponse({"error": "validation", "detail": detail}, status_code=422)
 
 
-class _CountRequests:
-    """Counts answered requests by method, route template and status (plain ASGI: no body copies)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = "500"
-
-        async def capture(message: MutableMapping[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = str(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, capture)
-        finally:
-            state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
-            if state is not None:
-                template = getattr(scope.get("route"), "path", "unmatched")
-                state.metrics.requests.labels(scope["method"], template, status).inc()
+HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}
 
 
-class _BodyLimit:
-    """Refuses bodies over the limit with 413 before they are read whole, declared length or not."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, send, int(declared))
-            return
-        seen = 0
-
-        async def counted() -> MutableMapping[str, Any]:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise BodyTooLarge(self.limit, seen)
-            return message
-
-        await self.app(scope, counted, send)
-
-    async def _refuse(self, scope: Scope, send: Send, size: int) -> None:
-        app = scope.get("app")
-        state = getattr(getattr(app, "state", None), "monitor", None)
-        if state is not None:
-            state.metrics.rejections.labels("body_too_large").inc()
-        error = TooLarge(f"request bodies may hold at most {self.limit} bytes, got {size}")
-        await JSONResponse(error.body(), status_code=error.status)(scope, _drain, send)
-
-
-class BodyTooLarge(HTTPException):
-    """Raised while a body without a declared length is read, once it passes the limit."""
-
-    def __init__(self, limit: int, size: int) -> None:
-        super().__init__(
-            status_code=413, detail=f"request bodies may hold at most {limit} bytes, got more than {size - 1}"
-        )
-
-
-async def _body_too_large(request: Request, error: BodyTooLarge) -> JSONResponse:
-    request.app.state.monitor.metrics.rejections.labels("body_too_large").inc()
-    refusal = TooLarge(str(error.detail))
-    return JSONResponse(refusal.body(), status_code=refusal.status)
-
-
-async def _drain() -> MutableMapping[str, Any]:
-    return {"type": "http.disconnect"}
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (unknown route, wrong method, unreadable body) in the documented shape."""
+    code = HTTP_ERROR_CODES.get(error.status_code, "invalid_request" if error.status_code < 500 else "internal_error")
+    detail = str(error.detail)
+    if detail == "There was an error parsing the body":  # FastAPI's words for a body json cannot read
+        detail = "the body must be a JSON object in UTF-8, nested at most a few hundred levels; it could not be read"
+    reason = "body_too_large" if isinstance(error, BodyTooLarge) else code
+    request.app.state.monitor.metrics.rejections.labels(reason).inc()
+    field = "body" if error.status_code == 400 else None
+    body = {"error": code, "detail": detail, "field": field, "index": None}
+    return JSONResponse(body, status_code=error.status_code, headers=error.headers)

@@ -19,15 +19,10 @@ from scoring.scorer import Scorer
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
 from service.errors import InvalidRequest
 from service.recording import ALL, ScoredBatch
-from service.runs import RunSnapshot
+from service.runs import RunSnapshot, is_scheduled
 from service.schemas import BatchIn, BatchResult, RewardResult, TurnWithEntropy
 from service.settings import Settings
 from service.storage.queries import Point
-
-
-def is_scheduled(step: int, every: int) -> bool:
-    """RAGEN's compute_freq rule: step 1 and every multiple of ``every``; every step when it is 1."""
-    return every == 1 or step == 1 or (step > 0 and step % every == 0)
 
 
 def score_rollouts(

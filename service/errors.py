@@ -6,11 +6,14 @@
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  a batch_id replayed with different content
     │   │   └── RunConflict      409  a run name re-created with different settings
-    │   └── TooLarge             413  body or batch over the configured limits
-    └── Unavailable              503  the queue is full; retry after ``retry_after`` seconds
+    │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
+    │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
+    │       └── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
+    └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
 
 Every error renders as ``{"error": code, "detail": what must hold and what was sent,
-"field": where, "index": which item}``; ``field`` is written as ``field_path`` writes it.
+"field": where, "index": which item}``; ``field`` is written as ``field_path`` writes it. An
+error with ``retry_after`` also sends a ``Retry-After`` header.
 Must not import fastapi.
 """
 
@@ -65,6 +68,17 @@ class TooLarge(ClientError):
 
 
 @dataclass
+class TooManyRequests(ClientError):
+    retry_after: int = 1
+    status = 429
+    code = "rate_limited"
+
+
+class RunQueueFull(TooManyRequests):
+    code = "run_queue_full"
+
+
+@dataclass
 class Unavailable(MonitorError):
     retry_after: int = 5
     status = 503
@@ -78,3 +92,19 @@ def field_path(loc: Sequence[object]) -> str:
     """
     parts = [p for p in loc if p not in ("body", "query", "path")]
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+
+
+def rejection_reasons() -> list[str]:
+    """Every reason a refusal is counted under, so each series exists (at 0) from the first scrape.
+
+    The codes of the 4xx/503 errors, plus the refusals made outside them: schema validation, a
+    body over the size limit, and the web framework's own (unknown route, wrong method).
+    """
+    codes = {"validation", "body_too_large", "not_found", "method_not_allowed", "invalid_request"}
+    pending: list[type[MonitorError]] = [MonitorError]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if 400 <= cls.status < 500 or cls.status == 503:
+            codes.add(cls.code)
+    return sorted(codes)

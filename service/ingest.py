@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
 from typing import Any
 
@@ -15,13 +16,21 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics
-from service.errors import Conflict, InvalidRequest, TooLarge, Unavailable
+from service.errors import Conflict, InvalidRequest, RunQueueFull, TooLarge, Unavailable
 from service.recording import ScoredBatch, load_emas, record_step
-from service.runs import RunSnapshot, require_run
-from service.schemas import BatchAccepted, BatchIn, BatchResult, InputError, MatrixAccepted, MatrixBatchIn
+from service.runs import RunSnapshot, is_scheduled, require_run
+from service.schemas import (
+    BatchAccepted,
+    BatchIn,
+    BatchResult,
+    InputError,
+    MatrixAccepted,
+    MatrixBatchIn,
+    TurnWithEntropy,
+)
 from service.settings import Settings
 from service.storage import queries
-from service.storage.tables import Batch
+from service.storage.tables import Batch, Run, ScorerLimits
 
 
 def content_hash(raw: bytes) -> str:
@@ -66,20 +75,20 @@ def ingest_rollouts(
 ) -> BatchAccepted:
     """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
     check_batch_limits(payload, settings)
+    check_groups(payload)
     with sessions.begin() as session:
         run = require_run(session, run_name)
-        replay = _replay(session, run.id, payload.idempotency_key, raw)
+        replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw)
         if replay is not None:
             return replay
-        if queries.queue_depth(session) >= settings.max_queue_depth:
-            raise Unavailable(
-                f"the scoring queue holds {settings.max_queue_depth} batches, its limit; retry later",
-                retry_after=5,
-            )
+        check_scoring_cost(payload, run, settings)
+        check_token_ids(payload, session.get(ScorerLimits, run.scorer))
+        _check_queues(session, run.id, settings)
         checkpoint = queries.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
         batch = _new_batch(
             run.id,
             payload.step,
+            queries.advance_segment(session, run.id, payload.step),
             payload.idempotency_key,
             "rollouts",
             raw,
@@ -91,8 +100,113 @@ def ingest_rollouts(
             session.flush()
         except IntegrityError:  # a concurrent request with the same key won the race
             session.rollback()
-            return _replay_after_race(sessions, run_name, payload.idempotency_key, raw)
+            return _replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw)
     return _accepted(batch)
+
+
+def check_groups(payload: BatchIn) -> None:
+    """400 when trajectories of one group start from different prompts: a group is one prompt's rollouts."""
+    first: dict[int, tuple[int, object]] = {}
+    for t, trajectory in enumerate(payload.trajectories):
+        turn = trajectory.turns[0]
+        prompt = turn.prompt if turn.prompt is not None else turn.prompt_token_ids
+        seen = first.setdefault(trajectory.group_id, (t, prompt))
+        if seen[1] != prompt:
+            raise InvalidRequest(
+                f"trajectories {seen[0]} and {t} share group_id {trajectory.group_id} but start from different "
+                "prompts; a group holds the rollouts of one prompt",
+                field=f"trajectories[{t}].turns[0].prompt",
+                index=t,
+            )
+
+
+def check_scoring_cost(payload: BatchIn, run: Run, settings: Settings) -> None:
+    """413 when scoring the batch would cost more than ``max_scoring_cost`` (see ``scoring_cost``)."""
+    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every)
+    if cost > settings.max_scoring_cost:
+        raise TooLarge(
+            f"scoring this batch would cost about {cost} tokens (rows x columns x tokens per pair, summed over "
+            f"the run's samplers), more than max_scoring_cost={settings.max_scoring_cost}; send fewer or shorter "
+            "trajectories, or create the run with a smaller sampler.num_samples",
+            field="trajectories",
+        )
+
+
+def scoring_cost(payload: BatchIn, samplers: list[str], num_samples: int | None, every: int) -> int:
+    """Tokens a naive scorer would run for this batch: per sampler, rows x columns x tokens of a pair.
+
+    An upper bound of the kernel's work (which shares prompts) that grows as its time does. Text is
+    counted at ``CHARS_PER_TOKEN`` characters a token; 0 on steps the schedule does not score.
+    """
+    if not is_scheduled(payload.step, every):
+        return 0
+    turns = [turn for trajectory in payload.trajectories for turn in trajectory.turns]
+    tokens_per_pair = sum(_tokens(turn) for turn in turns) / len(turns)
+    n_groups = len({trajectory.group_id for trajectory in payload.trajectories})
+    cost = 0.0
+    for sampler in samplers:
+        usable = len(payload.trajectories) if sampler == "first_turn" else len(turns)
+        rows = min(num_samples or usable, usable)
+        columns = min(rows, n_groups) if sampler == "first_turn" else rows
+        cost += rows * columns * tokens_per_pair
+    return math.ceil(cost)
+
+
+CHARS_PER_TOKEN = 3  # fewer than the ~4 of English BPE text, so that the estimate errs high
+
+
+def _tokens(turn: TurnWithEntropy) -> float:
+    prompt = (
+        len(turn.prompt_token_ids) if turn.prompt_token_ids is not None else len(turn.prompt or "") / CHARS_PER_TOKEN
+    )
+    if turn.reasoning_token_ids is not None:
+        return prompt + len(turn.reasoning_token_ids)
+    return prompt + len(turn.response or turn.reasoning or "") / CHARS_PER_TOKEN
+
+
+def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
+    """400 for token ids the run's scorer cannot score: outside its vocabulary, or past its context.
+
+    Known once a worker has loaded the scorer (it records its limits); text is tokenized, and
+    checked, by the worker.
+    """
+    if limits is None:
+        return
+    for t, trajectory in enumerate(payload.trajectories):
+        for k, turn in enumerate(trajectory.turns):
+            where = f"trajectories[{t}].turns[{k}]"
+            for name in ("prompt_token_ids", "reasoning_token_ids"):
+                ids = getattr(turn, name)
+                if ids and max(ids) >= limits.vocab_size:
+                    raise InvalidRequest(
+                        f"token id {max(ids)} is outside the vocabulary of scorer {limits.name!r} "
+                        f"({limits.vocab_size} tokens)",
+                        field=f"{where}.{name}",
+                        index=t,
+                    )
+            if limits.max_positions is not None and turn.prompt_token_ids is not None:
+                length = len(turn.prompt_token_ids) + len(turn.reasoning_token_ids or ())
+                if length > limits.max_positions:
+                    raise InvalidRequest(
+                        f"prompt and reasoning hold {length} tokens, more than the context of scorer "
+                        f"{limits.name!r} ({limits.max_positions})",
+                        field=f"{where}.prompt_token_ids",
+                        index=t,
+                    )
+
+
+def _check_queues(session: Session, run_id: int, settings: Settings) -> None:
+    """429 when this run has too many batches waiting (it alone slows down); 503 when everyone's queue is full."""
+    queued = queries.queue_depth(session, run_id)
+    if queued >= settings.max_queued_per_run:
+        raise RunQueueFull(
+            f"this run has {queued} batches waiting to be scored, its limit (max_queued_per_run); retry later",
+            retry_after=5,
+        )
+    if queries.queue_depth(session) >= settings.max_queue_depth:
+        raise Unavailable(
+            f"the scoring queue holds {settings.max_queue_depth} batches, its limit; retry later", retry_after=5
+        )
 
 
 def ingest_matrix(
@@ -108,15 +222,16 @@ def ingest_matrix(
         raise InvalidRequest(e.message, field=e.field) from e
     with sessions.begin() as session:
         run = RunSnapshot.of(require_run(session, run_name))
-        replay = _replay(session, run.id, payload.idempotency_key, raw)
+        replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw)
         if replay is not None:
-            stored = queries.batch_by_key(session, run.id, payload.idempotency_key or "")
-            result = BatchResult.model_validate(stored.result) if stored and stored.result else BatchResult(scored=True)
+            stored = session.get_one(Batch, replay.batch_id)
+            result = BatchResult.model_validate(stored.result) if stored.result else BatchResult(scored=True)
             return MatrixAccepted(**replay.model_dump(), results=result)
         scored = score_matrix(payload, load_emas(session, run.id, [payload.sampler]).get(payload.sampler, EmaState()))
         batch = _new_batch(
             run.id,
             payload.step,
+            queries.advance_segment(session, run.id, payload.step, scored_now=True),
             payload.idempotency_key,
             "matrix",
             raw,
@@ -127,7 +242,7 @@ def ingest_matrix(
         )
         session.add(batch)
         session.flush()
-        record_step(session, run, batch.id, payload.step, scored, settings)
+        record_step(session, run, batch, scored, settings)
     return MatrixAccepted(**_accepted(batch).model_dump(), results=scored.result)
 
 
@@ -141,12 +256,13 @@ def score_matrix(payload: MatrixBatchIn, ema: EmaState) -> ScoredBatch:
     return scored
 
 
-def _new_batch(run_id: int, step: int, key: str | None, kind: str, raw: bytes, **fields: Any) -> Batch:
+def _new_batch(run_id: int, step: int, segment: int, key: str | None, kind: str, raw: bytes, **fields: Any) -> Batch:
     """A batch row holding the request body as sent, under a fresh id."""
     return Batch(
         id=uuid.uuid4().hex,
         run_id=run_id,
         step=step,
+        segment=segment,
         idempotency_key=key,
         kind=kind,
         payload=raw.decode(),
@@ -158,16 +274,21 @@ def _new_batch(run_id: int, step: int, key: str | None, kind: str, raw: bytes, *
 def _accepted(batch: Batch, replayed: bool = False) -> BatchAccepted:
     return BatchAccepted(
         batch_id=batch.id,
-        status=batch.status,
+        status=batch.status,  # type: ignore[arg-type]  # the column only ever holds a BatchState
         status_url=f"/v1/batches/{batch.id}",
         replayed=replayed,
     )
 
 
-def _replay(session: Session, run_id: int, key: str | None, raw: bytes) -> BatchAccepted | None:
-    """The first answer to an identical earlier request under ``key``; 409 for other content."""
+def _replay(session: Session, run_id: int, key: str | None, step: int, raw: bytes) -> BatchAccepted | None:
+    """The first answer to an identical earlier request; 409 for other content under the same key.
+
+    Without a key, an earlier batch of the same step with byte-identical content is a replay too
+    (a client that retried after a lost answer).
+    """
     if key is None:
-        return None
+        existing = queries.batch_by_content(session, run_id, step, content_hash(raw))
+        return _accepted(existing, replayed=True) if existing is not None else None
     existing = queries.batch_by_key(session, run_id, key)
     if existing is None:
         return None
@@ -180,9 +301,11 @@ def _replay(session: Session, run_id: int, key: str | None, raw: bytes) -> Batch
     return _accepted(existing, replayed=True)
 
 
-def _replay_after_race(sessions: sessionmaker[Session], run_name: str, key: str | None, raw: bytes) -> BatchAccepted:
+def _replay_after_race(
+    sessions: sessionmaker[Session], run_name: str, key: str | None, step: int, raw: bytes
+) -> BatchAccepted:
     with sessions.begin() as session:
-        replay = _replay(session, require_run(session, run_name).id, key, raw)
+        replay = _replay(session, require_run(session, run_name).id, key, step, raw)
     if replay is None:  # pragma: no cover - the unique constraint fired, so the row exists
         raise Conflict("batch_id conflict", field="batch_id")
     return replay

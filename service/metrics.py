@@ -9,7 +9,7 @@ number of API and worker processes expose the same figures without multiprocess 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,7 +73,7 @@ EXPORTED = (
 class MetricsSnapshot:
     """What the collector exports, read from the database at scrape time."""
 
-    latest: list[tuple[str, str, str, float, int]]  # run, sampler, name, value, step
+    latest: list[tuple[str, str, str, float, int]]  # run, sampler, name, value, step; recent runs first
     batches: dict[str, int]  # status -> count
     scoring: dict[str, Any]  # queries.scoring_stats()
     buckets: tuple[float, ...] = field(default=())
@@ -82,9 +82,9 @@ class MetricsSnapshot:
 
 
 class ServiceMetrics:
-    """The in-process counters of one API process."""
+    """The in-process counters of one API process; every known rejection reason is exported from 0."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, rejection_reasons: Iterable[str] = ()) -> None:
         self.requests = Counter(
             "requests",
             "HTTP requests answered, by method, route template and status code.",
@@ -99,11 +99,16 @@ class ServiceMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        for reason in rejection_reasons:
+            self.rejections.labels(reason)
 
 
 class DiagnosticsCollector(Collector):
-    def __init__(self, read: Callable[[], MetricsSnapshot]) -> None:
+    """The diagnostics of every run, at most ``max_series`` of them (whole runs, the most recently updated first)."""
+
+    def __init__(self, read: Callable[[], MetricsSnapshot], max_series: int = 20_000) -> None:
         self.read = read
+        self.max_series = max_series
 
     def describe(self) -> list[Metric]:
         return []  # collected on demand; nothing to check at registration
@@ -119,15 +124,16 @@ class DiagnosticsCollector(Collector):
             return
         up.add_metric([], 1.0)
         yield up
-        yield from _diagnostics(snapshot)
+        yield from _diagnostics(snapshot, self.max_series)
         yield from _service(snapshot)
         yield from _alerts(snapshot)
 
 
-def _diagnostics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
+def _diagnostics(snapshot: MetricsSnapshot, max_series: int) -> Iterator[Metric]:
     by_name: dict[str, list[tuple[str, str, float]]] = {}
     last_step: dict[str, int] = {}
-    for run, sampler, name, value, step in snapshot.latest:
+    kept, dropped = _within(snapshot.latest, max_series)
+    for run, sampler, name, value, step in kept:
         by_name.setdefault(name, []).append((run, sampler, value))
         last_step[run] = max(step, last_step.get(run, step))
     for exported in EXPORTED:
@@ -139,6 +145,33 @@ def _diagnostics(snapshot: MetricsSnapshot) -> Iterator[Metric]:
     for run, value in sorted(last_step.items()):
         newest.add_metric([run], float(value))
     yield newest
+    left_out = GaugeMetricFamily(
+        f"{NAMESPACE}_series_dropped",
+        "Diagnostic series left out of this scrape by max_exported_series (the least recently updated runs).",
+    )
+    left_out.add_metric([], float(dropped))
+    yield left_out
+
+
+Row = tuple[str, str, str, float, int]
+
+
+def _within(latest: list[Row], max_series: int) -> tuple[list[Row], int]:
+    """Whole runs, in the order given (most recently updated first), while their series fit ``max_series``."""
+    stored = {e.stored for e in EXPORTED}
+    by_run: dict[str, list[Row]] = {}
+    for row in latest:
+        by_run.setdefault(row[0], []).append(row)
+    kept: list[Row] = []
+    used = dropped = 0
+    for rows in by_run.values():
+        series = 1 + sum(1 for row in rows if row[2] in stored)  # its gauges and its last_step
+        if used + series > max_series:
+            dropped += series
+            continue
+        used += series
+        kept.extend(rows)
+    return kept, dropped
 
 
 def _service(snapshot: MetricsSnapshot) -> Iterator[Metric]:
@@ -222,6 +255,7 @@ def catalogue_markdown() -> str:
         f"| `{NAMESPACE}_requests_total` | counter (`method`, `route`, `status`) | HTTP requests of this process. |",
         f"| `{NAMESPACE}_rejections_total` | counter (`reason`) | Requests refused, by reason. |",
         f"| `{NAMESPACE}_database_up` | gauge | 1 when the last scrape could read the database. |",
+        f"| `{NAMESPACE}_series_dropped` | gauge | Diagnostic series left out by `max_exported_series`. |",
         f"| `{NAMESPACE}_alerts` | gauge (`run`, `sampler`, `rule`, `severity`, `state`) | 1 per active alert. |",
         f"| `{NAMESPACE}_alert_deliveries` | gauge (`receiver`, `status`) | Alert notifications by status. |",
         "",

@@ -19,6 +19,7 @@ from service.schemas import BatchResult, SamplerResult
 from service.settings import Settings
 from service.storage import queries
 from service.storage.queries import Point
+from service.storage.tables import Batch
 
 ALL = "all"  # the sampler label of batch-level figures (rewards, coverage)
 
@@ -71,11 +72,12 @@ def load_emas(session: Session, run_id: int, samplers: Iterable[str]) -> dict[st
     return emas
 
 
-def record_step(
-    session: Session, run: RunSnapshot, batch_id: str, step: int, scored: ScoredBatch, settings: Settings
-) -> None:
+def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: ScoredBatch, settings: Settings) -> None:
     """Writes a scored batch's points and EMA states, then re-evaluates the alerts they touch."""
-    queries.record_points(session, run.id, batch_id, step, scored.points, scored.scorer, scored.checkpoint)
+    queries.record_points(
+        session, run.id, batch.id, batch.step, batch.segment, scored.points, scored.scorer, scored.checkpoint
+    )
+    step = batch.step
     for sampler, ema in scored.ema.items():
         queries.save_ema(session, run.id, sampler, step, ema)
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]

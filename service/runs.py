@@ -52,6 +52,11 @@ class RunSnapshot:
         )
 
 
+def is_scheduled(step: int, every: int) -> bool:
+    """RAGEN's compute_freq rule: step 1 and every multiple of ``every``; every step when it is 1."""
+    return every == 1 or step == 1 or (step > 0 and step % every == 0)
+
+
 def require_run(session: Session, name: str) -> Run:
     """The run called ``name``, or 404."""
     run = queries.run_by_name(session, name)

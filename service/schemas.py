@@ -9,12 +9,13 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
-    FiniteFloat,
     SerializerFunctionWrapHandler,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -23,7 +24,33 @@ from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, pe
 from scoring.snr_filter import FilterConfig
 from service.alert_rules import AlertSettings, AlertState, RuleName, Severity
 
-TokenId = Annotated[int, Field(ge=0)]
+# Integers stored in 32-bit columns (steps, seeds, counts) are bounded where they enter, so both
+# databases refuse them alike (Postgres would answer an out-of-range value with an error).
+INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Step = Annotated[int, Field(ge=0, le=INT32_MAX, description="Training step.")]
+GroupId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+MAX_ABS_REWARD = 1e12  # far beyond any reward a trainer uses; keeps sums and spreads finite
+MAX_ABS_LOGPROB = 1e9  # nats; summed log-probabilities of any real sequence lie far inside
+RESERVED_SAMPLERS = ("first_turn", "trajectory", "all")  # rollout samplers and batch figures
+
+
+def _valid_text(value: str) -> str:
+    """Text the databases and tokenizers accept: no NUL character, no lone surrogate."""
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character (\\u0000)")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"must be valid Unicode; a lone surrogate {value[e.start]!r} was sent at index {e.start}"
+        ) from e
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+LogProb = Annotated[float, Field(ge=-MAX_ABS_LOGPROB, le=MAX_ABS_LOGPROB, allow_inf_nan=False)]
+Reward = Annotated[float, Field(ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, allow_inf_nan=False)]
 
 
 class InputError(ValueError):
@@ -36,7 +63,8 @@ class InputError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a JSON true is not a number and 0 is not a boolean; what the schema says is what is accepted.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 _ESTIMATOR = EstimatorConfig()  # RAGEN's defaults live in scoring.estimators; the wire format reuses them
@@ -44,7 +72,7 @@ _ESTIMATOR = EstimatorConfig()  # RAGEN's defaults live in scoring.estimators; t
 
 class EstimatorSettings(_Strict):
     std_eps: float = Field(
-        _ESTIMATOR.std_eps, ge=0, description="Added to the marginal std before dividing (z-scores)."
+        _ESTIMATOR.std_eps, ge=0, le=1e3, description="Added to the marginal std before dividing (z-scores)."
     )
     ema_decay: float = Field(_ESTIMATOR.ema_decay, ge=0, le=1, description="d in ema = d * ema + (1 - d) * std.")
 
@@ -52,15 +80,17 @@ class EstimatorSettings(_Strict):
 class MatrixInput(_Strict):
     """A cross-scoring matrix computed elsewhere: the ``collapse-monitor metrics`` input."""
 
-    row_group_ids: list[int] = Field(min_length=1, description="Group id of each of the R rows.")
+    row_group_ids: list[GroupId] = Field(min_length=1, description="Group id of each of the R rows.")
     column_prompt_tokens: list[list[TokenId]] | None = Field(
         None,
         description="Prompt token ids of each column, in ascending group-id order, so identical prompts count "
         "as one answer in retrieval. When absent every column is a distinct prompt.",
     )
-    reasoning_lengths: list[Annotated[int, Field(ge=0)]] = Field(description="T_r, reasoning tokens per row.")
-    L_seq: list[list[FiniteFloat]] = Field(description="[R][N] summed log p(z_r | x_j) in nats.")
-    L_tok: list[list[FiniteFloat]] | None = Field(None, description="[R][N]; default L_seq / max(T_r, 1).")
+    reasoning_lengths: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(
+        description="T_r, reasoning tokens per row."
+    )
+    L_seq: list[list[LogProb]] = Field(description="[R][N] summed log p(z_r | x_j) in nats.")
+    L_tok: list[list[LogProb]] | None = Field(None, description="[R][N]; default L_seq / max(T_r, 1).")
     config: EstimatorSettings = Field(default_factory=EstimatorSettings)
 
     def check(self) -> None:
@@ -112,14 +142,16 @@ class FilterSettings(_Strict):
     """RAGEN's rollout-filter settings: the run's SNR-aware filter, whose advice every batch reports."""
 
     strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = _FILTER.strategy  # type: ignore[assignment]  # FilterConfig types it as str
-    value: float = Field(_FILTER.value, ge=0, description="top_p mass, top_k fraction, top_k_abs count or min_p ratio.")
+    value: float = Field(
+        _FILTER.value, ge=0, le=1e6, description="top_p mass, top_k fraction, top_k_abs count or min_p ratio."
+    )
     filter_type: Literal["largest", "smallest"] = _FILTER.filter_type  # type: ignore[assignment]  # FilterConfig types it as str
     include_zero: bool = Field(
         _FILTER.include_zero, description="When false, groups scoring |s| <= 1e-10 are dropped first."
     )
     top_p_prob_mode: Literal["linear", "softmax"] = _FILTER.top_p_prob_mode  # type: ignore[assignment]  # FilterConfig types it as str
     selection_eps: float = Field(
-        _FILTER.selection_eps, ge=0, description="Slack subtracted from the linear top_p threshold."
+        _FILTER.selection_eps, ge=0, le=1e6, description="Slack subtracted from the linear top_p threshold."
     )
     metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = Field(
         _FILTER.metric,  # type: ignore[arg-type]  # FilterConfig types it as str
@@ -133,7 +165,7 @@ class FilterSettings(_Strict):
 class FilterRequest(FilterSettings):
     """SNR-aware filter advice: the ``collapse-monitor filter`` input (RAGEN's rollout filter)."""
 
-    rewards: list[Annotated[list[FiniteFloat], Field(min_length=1)]] = Field(
+    rewards: list[Annotated[list[Reward], Field(min_length=1)]] = Field(
         min_length=1, description="One list of rewards per group (the rollouts of one prompt)."
     )
 
@@ -155,10 +187,12 @@ class TurnIn(_Strict):
     ``<think>...</think>`` block, cleaned; a ``reasoning`` or ``reasoning_token_ids`` is used as sent.
     """
 
-    prompt: str | None = Field(None, description="Everything the model saw before reasoning (chat template applied).")
-    prompt_token_ids: list[TokenId] | None = None
-    response: str | None = Field(None, description="Full assistant text; reasoning extracted the RAGEN way.")
-    reasoning: str | None = None
+    prompt: Text | None = Field(
+        None, min_length=1, description="Everything the model saw before reasoning (chat template applied)."
+    )
+    prompt_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    response: Text | None = Field(None, description="Full assistant text; reasoning extracted the RAGEN way.")
+    reasoning: Text | None = None
     reasoning_token_ids: list[TokenId] | None = None
 
     @model_validator(mode="after")
@@ -174,22 +208,25 @@ class TurnIn(_Strict):
 class ScoreRowIn(TurnIn):
     """One line of the ``collapse-monitor score`` JSONL input."""
 
-    group_id: int
+    group_id: GroupId
 
 
 RunName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="Unique run name.")]
 
 
 class RunMetadata(_Strict):
-    model: str | None = Field(None, max_length=200, description="Policy model being trained.")
-    algorithm: str | None = Field(None, max_length=100, description="e.g. PPO, GRPO.")
-    environment: str | None = Field(None, max_length=200, description="e.g. Sokoban, FrozenLake.")
-    tags: list[Annotated[str, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
+    model: Text | None = Field(None, max_length=200, description="Policy model being trained.")
+    algorithm: Text | None = Field(None, max_length=100, description="e.g. PPO, GRPO.")
+    environment: Text | None = Field(None, max_length=200, description="e.g. Sokoban, FrozenLake.")
+    tags: list[Annotated[Text, Field(max_length=100)]] = Field(default_factory=list, max_length=50)
 
 
 class ScheduleSettings(_Strict):
     every: int = Field(
-        1, ge=1, description="Score every N-th step (RAGEN's compute_freq): step 1 and multiples of N; 1 = every batch."
+        1,
+        ge=1,
+        le=INT32_MAX,
+        description="Score every N-th step (RAGEN's compute_freq): step 1 and multiples of N; 1 = every batch.",
     )
 
 
@@ -204,13 +241,22 @@ class SamplerSettings(_Strict):
     samplers: list[SamplerName] = Field(
         default_factory=_both_samplers, min_length=1, description="RAGEN's two samplers."
     )
-    num_samples: int | None = Field(64, ge=2, description="Rows drawn per sampler; null = all usable rows.")
-    seed: int = Field(0, ge=0, description="Draws at step s use RandomState([seed, s, sampler index]).")
+    num_samples: int | None = Field(
+        64, ge=2, le=65536, description="Rows drawn per sampler; null = all usable rows (within max_scoring_cost)."
+    )
+    seed: int = Field(0, ge=0, le=INT32_MAX, description="Draws at step s use RandomState([seed, s, sampler index]).")
+
+    @field_validator("samplers")
+    @classmethod
+    def _distinct(cls, samplers: list[SamplerName]) -> list[SamplerName]:
+        if len(set(samplers)) != len(samplers):
+            raise ValueError(f"must be distinct, got {samplers}")
+        return samplers
 
 
 class RunCreate(_Strict):
     name: RunName
-    project: str | None = Field(None, max_length=200)
+    project: Text | None = Field(None, max_length=200)
     metadata: RunMetadata = Field(default_factory=RunMetadata)
     scorer: str | None = Field(None, description="A scorer named in the server's settings; default: the server's.")
     scorer_mode: Literal["reference", "policy"] = Field(
@@ -220,7 +266,13 @@ class RunCreate(_Strict):
     )
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings)
     sampler: SamplerSettings = Field(default_factory=SamplerSettings)
-    temperature: float = Field(1.0, gt=0, description="Scoring temperature; RAGEN scores at the rollout temperature.")
+    temperature: float = Field(
+        1.0,
+        ge=0.01,
+        le=100,
+        description="Scoring temperature; RAGEN scores at the rollout temperature. Logits are divided by it, so "
+        "values far outside [0.01, 100] would overflow the log-softmax.",
+    )
     filter: FilterSettings = Field(default_factory=FilterSettings)
     alerts: AlertSettings = Field(default_factory=AlertSettings, description="Alert thresholds (docs/alerts.md).")
 
@@ -234,19 +286,19 @@ class RunResponse(RunCreate):
 
 
 class TurnWithEntropy(TurnIn):
-    token_entropies: list[FiniteFloat] | None = Field(
+    token_entropies: list[Annotated[float, Field(ge=0, le=1e3, allow_inf_nan=False)]] | None = Field(
         None, description="Per-token entropies the trainer already computed for this turn's response (nats)."
     )
 
 
 class TrajectoryIn(_Strict):
-    group_id: int = Field(description="The prompt group: rollouts of the same prompt share it.")
-    reward: FiniteFloat = Field(description="The trajectory's total reward.")
+    group_id: GroupId = Field(description="The prompt group: rollouts of the same prompt share it.")
+    reward: Reward = Field(description=f"The trajectory's total reward, within +-{MAX_ABS_REWARD:g}.")
     turns: list[TurnWithEntropy] = Field(min_length=1, description="Turns in order; one for single-turn trainers.")
 
 
 IdempotencyKey = Annotated[
-    str | None,
+    Text | None,
     Field(
         None,
         min_length=1,
@@ -260,7 +312,7 @@ IdempotencyKey = Annotated[
 
 
 class BatchIn(_Strict):
-    step: int = Field(ge=0, description="Training step.")
+    step: Step
     idempotency_key: IdempotencyKey
     trajectories: list[TrajectoryIn] = Field(min_length=1)
 
@@ -277,15 +329,27 @@ class BatchAccepted(_Strict):
 
 
 class MatrixBatchIn(MatrixInput):
-    step: int = Field(ge=0)
+    step: Step
     idempotency_key: IdempotencyKey
-    sampler: str = Field("matrix", pattern=r"^[a-z][a-z0-9_]{0,31}$", description="Series name of these metrics.")
+    sampler: str = Field(
+        "matrix",
+        pattern=r"^[a-z][a-z0-9_]{0,31}$",
+        description=f"Series name of these metrics; not one of {', '.join(RESERVED_SAMPLERS)}, which the "
+        "service's own figures use.",
+    )
+
+    @field_validator("sampler")
+    @classmethod
+    def _own_series_name(cls, sampler: str) -> str:
+        if sampler in RESERVED_SAMPLERS:
+            raise ValueError(f"must not be one of {', '.join(RESERVED_SAMPLERS)}, got {sampler!r}")
+        return sampler
 
 
 class CheckpointIn(_Strict):
-    path: str = Field(min_length=1, max_length=4096, description="Folder under the server's checkpoint root.")
+    path: Text = Field(min_length=1, max_length=4096, description="Folder under the server's checkpoint root.")
     kind: Literal["full", "lora"] = Field("full", description="full weights, or a LoRA adapter on the run's scorer.")
-    step: int | None = Field(None, ge=0, description="Training step the checkpoint was saved at.")
+    step: int | None = Field(None, ge=0, le=INT32_MAX, description="Training step the checkpoint was saved at.")
 
 
 class CheckpointResponse(CheckpointIn):
@@ -389,6 +453,7 @@ class MatrixAccepted(BatchAccepted):
 
 class MetricPointOut(BaseModel):
     step: int
+    segment: int = Field(description="The run's segment: 0, then one more at every resume (a step going back).")
     sampler: str
     name: str
     value: float

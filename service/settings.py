@@ -55,7 +55,33 @@ class Settings(BaseSettings):
     max_attempts: int = Field(3, ge=1, description="Interrupted scorings of a batch before it is marked failed.")
     scoring_paused: bool = Field(False, description="Accept batches but score none (maintenance, benchmarks).")
 
-    max_queue_depth: int = Field(1000, ge=1, description="Queued batches beyond which ingest answers 503.")
+    max_exported_series: int = Field(
+        20_000,
+        ge=1,
+        description="Diagnostic series one /metrics scrape exports at most (whole runs, the most recently updated "
+        "first); the rest is counted in collapse_monitor_series_dropped.",
+    )
+    rate_limit_per_second: float = Field(
+        50.0,
+        ge=0,
+        description="Requests per second one client (its token, else its address) may send to /v1/; beyond it "
+        "429 with Retry-After. 0 turns the limit off.",
+    )
+    rate_limit_burst: int = Field(200, ge=1, description="Requests a client may send at once above that rate.")
+    max_queue_depth: int = Field(1000, ge=1, description="Queued batches (all runs) beyond which ingest answers 503.")
+    max_queued_per_run: int = Field(
+        200,
+        ge=1,
+        description="Queued batches of one run beyond which its ingest answers 429, so that one run cannot fill "
+        "the queue everyone shares.",
+    )
+    max_scoring_cost: int = Field(
+        16_000_000,
+        ge=1,
+        description="Largest scoring cost of one batch, in tokens a naive scorer would run (rows x columns x "
+        "tokens per pair, summed over the run's samplers; text counted at 3 characters a token); beyond it "
+        "ingest answers 413. A GPU scorer can take more.",
+    )
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")
     max_turns: int = Field(256, ge=1, description="Turns per trajectory.")

@@ -29,7 +29,7 @@ from service.schemas import BatchIn
 from service.scorers import ScorerPool
 from service.settings import Settings
 from service.storage import queries
-from service.storage.tables import Checkpoint, Run
+from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
 
@@ -53,6 +53,7 @@ class Worker:
         self.settings = settings
         self.pool = pool
         self.owner = owner_id()
+        self._limits_recorded: set[str] = set()
 
     def run(self, stop: threading.Event) -> None:
         """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty."""
@@ -105,11 +106,21 @@ class Worker:
 
         def scorer() -> Scorer:
             path = Path(claimed.checkpoint_path) if claimed.checkpoint_path else None
-            return self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full")
+            loaded = self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full")
+            self._record_limits(claimed.run.scorer, loaded)
+            return loaded
 
         scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings)
         scored.checkpoint = claimed.checkpoint_path
         return scored
+
+    def _record_limits(self, name: str, scorer: Scorer) -> None:
+        """Lets ingest refuse token ids this scorer cannot score (once per scorer and process)."""
+        if name in self._limits_recorded:
+            return
+        with self.sessions.begin() as session:
+            queries.record_scorer_limits(session, name, scorer.vocab_size, scorer.max_positions)
+        self._limits_recorded.add(name)
 
     def _heartbeat(self, batch_id: str, done: threading.Event) -> None:
         while not done.wait(self.settings.lease_seconds / 3):
@@ -139,7 +150,7 @@ class Worker:
                 log.warning("worker %s: batch %s was taken over; discarding its results", self.owner, claimed.batch_id)
                 session.rollback()
                 return
-            record_step(session, claimed.run, claimed.batch_id, claimed.step, scored, self.settings)
+            record_step(session, claimed.run, session.get_one(Batch, claimed.batch_id), scored, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
     def _finish_failed(self, claimed: Claimed, reason: str) -> None:

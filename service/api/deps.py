@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from service.errors import InvalidRequest
 from service.state import AppState
 
 
@@ -15,7 +17,15 @@ def _state(request: Request) -> AppState:
 
 
 async def _raw_body(request: Request) -> bytes:
-    return await request.body()
+    """The body as sent, which ingest stores; it must be UTF-8 JSON (RFC 8259), without a byte order mark."""
+    raw = await request.body()
+    if raw.startswith(codecs.BOM_UTF8):
+        raise InvalidRequest("the body starts with a UTF-8 byte order mark; send the JSON without it", field="body")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"the body must be UTF-8 JSON; byte {e.start} is not UTF-8", field="body") from e
+    return raw
 
 
 State = Annotated[AppState, Depends(_state)]

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Body, Query, Response, status
 from service import ingest, runs
 from service.api.deps import RawBody, State
 from service.schemas import (
+    INT32_MAX,
     BatchAccepted,
     BatchIn,
     CheckpointIn,
@@ -104,19 +105,32 @@ def announce_checkpoint(state: State, run: str, body: CheckpointIn) -> Checkpoin
     return runs.announce_checkpoint(state.sessions, state.settings, run, body)
 
 
-CSV_COLUMNS = list(MetricPointOut.model_fields)
+# The segment column comes only with segments=all, so the default CSV keeps the columns it always had.
+CSV_COLUMNS = [name for name in MetricPointOut.model_fields if name != "segment"]
 
 
 @router.get("/{run}/metrics", response_model=MetricSeries, responses={200: {"content": {"text/csv": {}}}})
 def metric_series(
     state: State,
     run: str,
-    names: Annotated[str | None, Query(description="Comma-separated metric names; all when absent.")] = None,
-    sampler: Annotated[str | None, Query(description="first_turn, trajectory, all, or a matrix sampler.")] = None,
-    from_step: Annotated[int | None, Query(ge=0)] = None,
-    to_step: Annotated[int | None, Query(ge=0)] = None,
+    names: Annotated[
+        str | None, Query(max_length=10_000, description="Comma-separated metric names; all when absent.")
+    ] = None,
+    sampler: Annotated[
+        str | None, Query(max_length=32, description="first_turn, trajectory, all, or a matrix sampler.")
+    ] = None,
+    from_step: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
+    to_step: Annotated[int | None, Query(ge=0, le=INT32_MAX)] = None,
     format: Annotated[str, Query(pattern="^(json|csv)$")] = "json",
     limit: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+    segments: Annotated[
+        str,
+        Query(
+            pattern="^(current|all)$",
+            description="current: the points in force (a resumed run's newest segment replaces the older ones "
+            "from its first step on); all: the superseded points too.",
+        ),
+    ] = "current",
 ) -> Response | MetricSeries:
     """Stored metric points of a run, ordered by step (JSON, or CSV with ``format=csv``)."""
     wanted = [n for n in (names or "").split(",") if n]
@@ -125,6 +139,7 @@ def metric_series(
         points = [
             MetricPointOut(
                 step=p.step,
+                segment=p.segment,
                 sampler=p.sampler,
                 name=p.name,
                 value=p.value,
@@ -132,11 +147,14 @@ def metric_series(
                 checkpoint=p.checkpoint,
                 time=iso_time(p.created_at) or "",
             )
-            for p in queries.metric_series(session, target.id, wanted, sampler, from_step, to_step, limit)
+            for p in queries.metric_series(
+                session, target.id, wanted, sampler, from_step, to_step, limit, all_segments=segments == "all"
+            )
         ]
     if format == "csv":
         out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS)
+        columns = [*CSV_COLUMNS, "segment"] if segments == "all" else CSV_COLUMNS
+        writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(p.model_dump() for p in points)
         return Response(out.getvalue(), media_type="text/csv")

@@ -5,12 +5,14 @@ Must not import fastapi.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, exists, func, insert, or_, select, update
+from sqlalchemy import and_, case, exists, func, insert, or_, select, true, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from scoring.estimators import EmaState
@@ -23,6 +25,7 @@ from service.storage.tables import (
     LatestMetric,
     MetricPoint,
     Run,
+    ScorerLimits,
     utcnow,
 )
 
@@ -55,7 +58,72 @@ def batch_counts(session: Session, run_id: int | None = None) -> dict[str, int]:
 
 
 def last_step(session: Session, run_id: int) -> int | None:
-    return session.scalar(select(func.max(LatestMetric.step)).where(LatestMetric.run_id == run_id))
+    """The newest step with stored figures in the run's current segment."""
+    return session.scalar(
+        select(func.max(LatestMetric.step))
+        .join(Run, Run.id == LatestMetric.run_id)
+        .where(LatestMetric.run_id == run_id, LatestMetric.segment == Run.segment)
+    )
+
+
+def advance_segment(session: Session, run_id: int, step: int, *, scored_now: bool = False) -> int:
+    """The segment of a batch of ``step`` arriving now; ``scored_now`` when it is scored at once (a matrix).
+
+    A step below one already taken for scoring starts a new segment (the trainer resumed from an
+    earlier checkpoint, or a script was re-run under the same name); a step that merely arrived
+    out of order, before a later one was scored, stays in the segment and is scored in step
+    order. One UPDATE, so concurrent ingests of a run serialize on its row.
+    """
+    resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
+    kept = _newest(Run.claimed_step, step) if scored_now else Run.claimed_step
+    segment = session.scalar(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            segment=case((resumes, Run.segment + 1), else_=Run.segment),
+            claimed_step=case((resumes, step if scored_now else None), else_=kept),
+        )
+        .returning(Run.segment)
+    )
+    assert segment is not None  # the run exists: the caller just read it
+    return int(segment)
+
+
+def _newest(column: Any, step: int) -> Any:
+    return case((column.is_(None), step), (column < step, step), else_=column)
+
+
+def segment_ends(session: Session, run_id: int) -> dict[int, int]:
+    """Per superseded segment, the first step a later segment took over (its points from there on are hidden)."""
+    starts = {
+        int(g): int(first)
+        for g, first in session.execute(
+            select(Batch.segment, func.min(Batch.step)).where(Batch.run_id == run_id).group_by(Batch.segment)
+        ).all()
+    }
+    ends = {}
+    for segment in starts:
+        later = [first for other, first in starts.items() if other > segment]
+        if later:
+            ends[segment] = min(later)
+    return ends
+
+
+def _visible(ends: dict[int, int]) -> Any:
+    """The points not superseded by a later segment (every point when the run never resumed)."""
+    if not ends:
+        return true()
+    superseded = [and_(MetricPoint.segment == g, MetricPoint.step < end) for g, end in ends.items()]
+    return or_(MetricPoint.segment.not_in(list(ends)), *superseded)
+
+
+def record_scorer_limits(session: Session, name: str, vocab_size: int, max_positions: int | None) -> None:
+    """What the named scorer can score, as the process that loaded it found (ingest checks token ids)."""
+    values = {"name": name, "vocab_size": vocab_size, "max_positions": max_positions, "updated_at": utcnow()}
+    # An upsert: workers loading the same scorer at once must not collide on the name.
+    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    statement = dialect_insert(ScorerLimits).values(values)
+    session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
 
 
 def latest_checkpoint(session: Session, run_id: int) -> Checkpoint | None:
@@ -69,8 +137,22 @@ def batch_by_key(session: Session, run_id: int, idempotency_key: str) -> Batch |
     return session.scalar(select(Batch).where(Batch.run_id == run_id, Batch.idempotency_key == idempotency_key))
 
 
-def queue_depth(session: Session) -> int:
-    return int(session.scalar(select(func.count()).select_from(Batch).where(Batch.status == "queued")) or 0)
+def batch_by_content(session: Session, run_id: int, step: int, payload_sha256: str) -> Batch | None:
+    """An earlier batch of this run and step with byte-identical content."""
+    return session.scalar(
+        select(Batch)
+        .where(Batch.run_id == run_id, Batch.step == step, Batch.payload_sha256 == payload_sha256)
+        .order_by(Batch.created_at)
+        .limit(1)
+    )
+
+
+def queue_depth(session: Session, run_id: int | None = None) -> int:
+    """Batches waiting to be scored: all of them, or one run's."""
+    query = select(func.count()).select_from(Batch).where(Batch.status == "queued")
+    if run_id is not None:
+        query = query.where(Batch.run_id == run_id)
+    return int(session.scalar(query) or 0)
 
 
 def _claimable(now: datetime) -> Any:
@@ -98,7 +180,10 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
         if run_id is None:
             return None
         batch = session.scalar(
-            select(Batch).where(Batch.run_id == run_id, claimable).order_by(Batch.step, Batch.created_at).limit(1)
+            select(Batch)
+            .where(Batch.run_id == run_id, claimable)
+            .order_by(Batch.segment, Batch.step, Batch.created_at)
+            .limit(1)
         )
         if batch is None:  # pragma: no cover - the run was selected because it has one
             return None
@@ -112,6 +197,11 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
         batch.status, batch.lease_owner = "scoring", owner
         batch.lease_expires_at = now + timedelta(seconds=lease_seconds)
         batch.started_at = now
+        session.execute(
+            update(Run)
+            .where(Run.id == run_id, Run.segment == batch.segment)
+            .values(claimed_step=_newest(Run.claimed_step, batch.step))
+        )
         session.flush()
         return batch
 
@@ -167,13 +257,21 @@ def record_points(
     run_id: int,
     batch_id: str,
     step: int,
+    segment: int,
     points: Iterable[Point],
     scorer: str | None,
     checkpoint: str | None,
 ) -> int:
-    """Writes a batch's metric points and moves the latest values forward (never back in step)."""
+    """Writes a batch's metric points and moves the latest values to them, unless a newer batch's are there.
+
+    Newer means a later segment, or a later (or the same) step within one: a resumed run's
+    latest values follow its newest batch even though its steps went back.
+    """
     now = utcnow()
     points = list(points)
+    for p in points:
+        if not math.isfinite(p.value):  # no database column or JSON answer may hold one
+            raise ValueError(f"the {p.sampler} figure {p.name} is not finite ({p.value}); nothing was stored")
     if not points:
         return 0
     session.execute(
@@ -183,6 +281,7 @@ def record_points(
                 "run_id": run_id,
                 "batch_id": batch_id,
                 "step": step,
+                "segment": segment,
                 "sampler": p.sampler,
                 "name": p.name,
                 "value": p.value,
@@ -203,10 +302,18 @@ def record_points(
         current = existing.get((p.sampler, p.name))
         if current is None:
             session.add(
-                LatestMetric(run_id=run_id, sampler=p.sampler, name=p.name, step=step, value=p.value, updated_at=now)
+                LatestMetric(
+                    run_id=run_id,
+                    sampler=p.sampler,
+                    name=p.name,
+                    step=step,
+                    segment=segment,
+                    value=p.value,
+                    updated_at=now,
+                )
             )
-        elif current.step <= step:
-            current.step, current.value, current.updated_at = step, p.value, now
+        elif (current.segment, current.step) <= (segment, step):
+            current.step, current.segment, current.value, current.updated_at = step, segment, p.value, now
     return len(points)
 
 
@@ -230,8 +337,12 @@ def metric_series(
     from_step: int | None,
     to_step: int | None,
     limit: int,
+    all_segments: bool = False,
 ) -> Sequence[MetricPoint]:
+    """A run's points in step order: the ones in force, or with ``all_segments`` the superseded ones too."""
     query = select(MetricPoint).where(MetricPoint.run_id == run_id)
+    if not all_segments:
+        query = query.where(_visible(segment_ends(session, run_id)))
     if names:
         query = query.where(MetricPoint.name.in_(names))
     if sampler is not None:
@@ -240,7 +351,9 @@ def metric_series(
         query = query.where(MetricPoint.step >= from_step)
     if to_step is not None:
         query = query.where(MetricPoint.step <= to_step)
-    query = query.order_by(MetricPoint.step, MetricPoint.sampler, MetricPoint.name, MetricPoint.id).limit(limit)
+    query = query.order_by(
+        MetricPoint.step, MetricPoint.segment, MetricPoint.sampler, MetricPoint.name, MetricPoint.id
+    ).limit(limit)
     return session.scalars(query).all()
 
 
@@ -248,11 +361,18 @@ def metric_series(
 
 
 def latest_values(session: Session) -> Sequence[tuple[str, str, str, float, int]]:
-    """(run name, sampler, metric name, value, step) of every latest value."""
+    """(run, sampler, name, value, step) of each run's current segment, the most recently updated runs first."""
+    newest = (
+        select(LatestMetric.run_id, func.max(LatestMetric.updated_at).label("updated"))
+        .group_by(LatestMetric.run_id)
+        .subquery()
+    )
     rows = session.execute(
-        select(Run.name, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step).join(
-            Run, Run.id == LatestMetric.run_id
-        )
+        select(Run.name, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step)
+        .join(Run, Run.id == LatestMetric.run_id)
+        .join(newest, newest.c.run_id == LatestMetric.run_id)
+        .where(LatestMetric.segment == Run.segment)
+        .order_by(newest.c.updated.desc(), Run.name)
     ).all()
     return [(r[0], r[1], r[2], float(r[3]), int(r[4])) for r in rows]
 
@@ -291,11 +411,12 @@ def scoring_stats(session: Session) -> dict[str, Any]:
 def alert_series(
     session: Session, run_id: int, sampler: str, names: Sequence[str]
 ) -> dict[str, list[tuple[int, float]]]:
-    """[(step, value)] per name for one (run, sampler), ascending steps."""
+    """[(step, value)] per name for one (run, sampler), ascending steps, superseded segments left out."""
     rows = session.execute(
         select(MetricPoint.name, MetricPoint.step, MetricPoint.value)
         .where(MetricPoint.run_id == run_id, MetricPoint.sampler == sampler, MetricPoint.name.in_(set(names)))
-        .order_by(MetricPoint.name, MetricPoint.step)
+        .where(_visible(segment_ends(session, run_id)))
+        .order_by(MetricPoint.name, MetricPoint.step, MetricPoint.segment)
     ).all()
     series: dict[str, list[tuple[int, float]]] = {}
     for name, step, value in rows:

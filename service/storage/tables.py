@@ -55,6 +55,11 @@ class Run(Base):
     filter: Mapped[dict[str, Any]] = mapped_column(default=dict)  # SNR filter settings for the advice
     alert_rules: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # A step below one already scored starts a new segment (a resumed or re-run trainer): the
+    # series of the newest segment replace the older ones from its first step on. Steps that
+    # arrive out of order before a later one was scored are still scored in step order.
+    segment: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    claimed_step: Mapped[int | None] = mapped_column(Integer)  # newest step of the segment taken for scoring
 
 
 class Checkpoint(Base):
@@ -76,11 +81,13 @@ class Batch(Base):
         UniqueConstraint("run_id", "client_batch_id", name="uq_batches_run_client_id"),
         Index("ix_batches_status_created", "status", "created_at"),
         Index("ix_batches_run_status_step", "run_id", "status", "step"),
+        Index("ix_batches_run_step", "run_id", "step"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # The client's idempotency key (its column keeps the key's first name).
     idempotency_key: Mapped[str | None] = mapped_column("client_batch_id", String(200))
     kind: Mapped[str] = mapped_column(String(16))  # rollouts | matrix
@@ -115,6 +122,7 @@ class MetricPoint(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     step: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     sampler: Mapped[str] = mapped_column(String(32))
     name: Mapped[str] = mapped_column(String(80))
     value: Mapped[float] = mapped_column(Float)
@@ -132,6 +140,7 @@ class LatestMetric(Base):
     sampler: Mapped[str] = mapped_column(String(32), primary_key=True)
     name: Mapped[str] = mapped_column(String(80), primary_key=True)
     step: Mapped[int] = mapped_column(Integer)
+    segment: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     value: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -192,3 +201,14 @@ class AlertDelivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column()
+
+
+class ScorerLimits(Base):
+    """What a named scorer can score, recorded by the process that loaded it; ingest checks token ids against it."""
+
+    __tablename__ = "scorer_limits"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    vocab_size: Mapped[int] = mapped_column(Integer)
+    max_positions: Mapped[int | None] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)

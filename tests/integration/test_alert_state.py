@@ -56,7 +56,7 @@ def receiver():
         r.close()
 
 
-def feed(client, run, dependences, sampler="first_turn", start=1):
+def feed(client, run, dependences, sampler="matrix", start=1):
     for i, dependence in enumerate(dependences):
         body = dependence_matrix(start + i, dependence) | {"sampler": sampler}
         assert client.post(f"/v1/runs/{run}/matrices", json=body).status_code == 201
@@ -85,7 +85,7 @@ def test_template_collapse_fires_and_resolves_with_notifications_to_json_and_sla
     (alert,) = client.get("/v1/runs/ppo/alerts").json()
     assert (alert["rule"], alert["state"], alert["severity"]) == ("TemplateCollapse", "resolved", "critical")
     assert (alert["onset_step"], alert["fired_step"], alert["resolved_step"]) == (6, 8, 11)
-    assert alert["summary"].startswith("TemplateCollapse on run ppo (first_turn) at step")
+    assert alert["summary"].startswith("TemplateCollapse on run ppo (matrix) at step")
     deliveries = wait_for_deliveries(client, 4)
     assert sorted((d["receiver"], d["event"], d["status"]) for d in deliveries) == [
         ("slack", "firing", "delivered"),
@@ -139,7 +139,7 @@ def test_a_receiver_that_never_answers_is_marked_failed_not_dropped(database_url
     assert delivery["last_error"] == "HTTP 500: boom"
     metrics = client.get("/metrics").text
     assert 'collapse_monitor_alert_deliveries{receiver="webhook",status="failed"} 1.0' in metrics
-    firing = 'rule="TemplateCollapse",run="r",sampler="first_turn",severity="critical",state="firing"'
+    firing = 'rule="TemplateCollapse",run="r",sampler="matrix",severity="critical",state="firing"'
     assert f"collapse_monitor_alerts{{{firing}}} 1.0" in metrics
 
 

@@ -455,7 +455,7 @@ def test_every_metric_and_label_the_dashboards_use_has_samples_in_the_service_ex
         "row_group_ids": [0, 0, 1, 1],
         "reasoning_lengths": [3, 4, 2, 5],
         "L_seq": [[-3, -9], [-4, -10], [-8, -2], [-12, -5]],
-        "sampler": "first_turn",
+        "sampler": "matrix",
     }
     assert client.post("/v1/runs/run-a/matrices", json=matrix).status_code == 201
     assert client.post("/v1/runs/run-a/matrices", json={}).status_code == 422  # a rejection, counted by reason

@@ -110,3 +110,19 @@ def test_exported_names_follow_prometheus_conventions_and_are_catalogued(exporte
     assert ":" not in exported.name
     assert not exported.name.endswith("_total")
     assert f"`collapse_monitor_{exported.name}`" in catalogue_markdown()
+
+
+def test_series_beyond_the_cap_are_left_out_whole_runs_at_a_time_and_counted():
+    latest = [
+        ("new", "first_turn", "mi_estimate", 1.0, 9),
+        ("new", "first_turn", "retrieval_accuracy", 0.5, 9),
+        ("old", "first_turn", "mi_estimate", 2.0, 3),
+        ("old", "all", "reward_mean", 0.1, 3),
+    ]
+    registry = CollectorRegistry()
+    registry.register(DiagnosticsCollector(lambda: snapshot(latest=latest), max_series=4))
+    get = registry.get_sample_value
+    assert get("collapse_monitor_mi_estimate_nats", {"run": "new", "sampler": "first_turn"}) == 1.0
+    assert get("collapse_monitor_mi_estimate_nats", {"run": "old", "sampler": "first_turn"}) is None
+    assert get("collapse_monitor_last_step", {"run": "old"}) is None
+    assert get("collapse_monitor_series_dropped") == 3  # old's two gauges and its last_step

@@ -1,0 +1,155 @@
+"""ASGI middleware: what every request goes through before (and after) the handlers.
+
+Refusals made here (a NUL in the URL, a body over the size limit, a client over its rate) answer in
+the documented error shape and are counted like the handlers' own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from service.errors import InvalidRequest, MonitorError, TooLarge, TooManyRequests
+from service.rate_limit import TokenBuckets
+
+
+class CountRequests:
+    """Counts answered requests by method, route template and status (plain ASGI: no body copies)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = "500"
+
+        async def capture(message: MutableMapping[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
+            if state is not None:
+                template = getattr(scope.get("route"), "path", "unmatched")
+                state.metrics.requests.labels(scope["method"], template, status).inc()
+
+
+class NoNulInUrl:
+    """Refuses a NUL character in the path or query (400): no database stores one in a name."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for part, raw in (
+                ("path", scope.get("raw_path") or scope["path"].encode()),
+                ("query", scope["query_string"]),
+            ):
+                if b"\x00" in raw or b"%00" in raw:
+                    await refuse(
+                        scope, send, InvalidRequest(f"the {part} must not contain a NUL character (%00)", field=part)
+                    )
+                    return
+        await self.app(scope, receive, send)
+
+
+async def refuse(scope: Scope, send: Send, error: MonitorError, reason: str | None = None) -> None:
+    """Answers ``error`` before the app's handlers run, counted under ``reason`` (default: its code)."""
+    state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
+    if state is not None:
+        state.metrics.rejections.labels(reason or error.code).inc()
+    retry_after = getattr(error, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, _drain, send)
+
+
+class BodyLimit:
+    """Refuses bodies over the limit with 413 before they are read whole, declared length or not."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, send, int(declared))
+            return
+        seen = 0
+
+        async def counted() -> MutableMapping[str, Any]:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge(self.limit, seen)
+            return message
+
+        await self.app(scope, counted, send)
+
+    async def _refuse(self, scope: Scope, send: Send, size: int) -> None:
+        error = TooLarge(f"request bodies may hold at most {self.limit} bytes, got {size}")
+        await refuse(scope, send, error, "body_too_large")
+
+
+class BodyTooLarge(HTTPException):
+    """Raised while a body without a declared length is read, once it passes the limit."""
+
+    def __init__(self, limit: int, size: int) -> None:
+        super().__init__(
+            status_code=413, detail=f"request bodies may hold at most {limit} bytes, got more than {size - 1}"
+        )
+
+
+async def _drain() -> MutableMapping[str, Any]:
+    return {"type": "http.disconnect"}
+
+
+class RateLimit:
+    """429 + Retry-After for a client over ``rate`` requests per second (bursts up to ``burst``).
+
+    A client is its bearer token when it sends one, else its address. Only the API is limited:
+    health checks, Prometheus scrapes and the pages' static files are not.
+    """
+
+    def __init__(self, app: ASGIApp, rate: float, burst: int) -> None:
+        self.app = app
+        self.buckets = TokenBuckets(rate, burst)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            wait = self.buckets.take(_client(scope), time.monotonic())
+            if wait > 0:
+                error = TooManyRequests(
+                    f"this client sent more than {self.buckets.rate:g} requests per second "
+                    f"(bursts of {self.buckets.burst}); retry after the Retry-After header",
+                    retry_after=math.ceil(wait),
+                )
+                await refuse(scope, send, error)
+                return
+        await self.app(scope, receive, send)
+
+
+def _client(scope: Scope) -> str:
+    authorization = dict(scope.get("headers", [])).get(b"authorization")
+    if authorization:  # the secret itself is never kept, only a digest of it
+        return "token:" + hashlib.sha256(authorization).hexdigest()[:16]
+    client = scope.get("client")
+    return f"address:{client[0] if client else 'unknown'}"

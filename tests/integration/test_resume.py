@@ -1,0 +1,99 @@
+"""Resumed training: a step below one already scored starts a new segment that the series, gauges and alerts follow."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fixtures import dependence_matrix, trajectories, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def feed(client, dependences: list[float], start: int = 1, key: str = "a") -> None:
+    for i, dependence in enumerate(dependences):
+        body = dependence_matrix(start + i, dependence) | {"sampler": "matrix", "batch_id": f"{key}-{start + i}"}
+        assert client.post("/v1/runs/r/matrices", json=body).status_code == 201
+
+
+def series(client, **params) -> list[dict]:
+    params = {"names": "mi_estimate", "sampler": "matrix"} | params
+    points: list[dict] = client.get("/v1/runs/r/metrics", params=params).json()["points"]
+    return points
+
+
+def gauge(client, name: str) -> dict[str, float]:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == name:
+            return {s.labels.get("sampler", ""): s.value for s in family.samples if s.labels["run"] == "r"}
+    return {}
+
+
+@pytest.fixture
+def client(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True)
+    assert client.post("/v1/runs", json={"name": "r"}).status_code == 201
+    return client
+
+
+def test_a_resumed_run_replaces_its_series_from_the_resume_step_and_the_gauges_follow(client):
+    feed(client, [2.0] * 6)  # steps 1..6
+    feed(client, [0.5, 0.5], start=4, key="b")  # resumed from a checkpoint at step 3
+    points = series(client)
+    assert [(p["step"], p["segment"]) for p in points] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 1)]
+    everything = series(client, segments="all")
+    assert [(p["step"], p["segment"]) for p in everything] == [
+        (1, 0), (2, 0), (3, 0), (4, 0), (4, 1), (5, 0), (5, 1), (6, 0)
+    ]  # fmt: skip
+    assert gauge(client, "collapse_monitor_last_step") == {"": 5}
+    assert gauge(client, "collapse_monitor_mi_estimate_nats")["matrix"] == pytest.approx(points[-1]["value"])
+    assert client.get("/v1/runs/r").json()["last_step"] == 5
+    csv = client.get("/v1/runs/r/metrics", params={"names": "mi_estimate", "format": "csv", "segments": "all"}).text
+    assert csv.splitlines()[0].endswith(",segment")
+
+
+def test_a_run_rerun_from_scratch_shows_only_the_new_run(client):
+    feed(client, [2.0] * 5)
+    feed(client, [1.0] * 2, key="rerun")  # steps 1, 2 again
+    assert [(p["step"], p["segment"]) for p in series(client)] == [(1, 1), (2, 1)]
+
+
+def test_alerts_follow_the_newest_segment_and_fire_again_after_a_resume(client):
+    feed(client, [2.0] * 6 + [0.0] * 5)  # collapse from step 7
+    (alert,) = client.get("/v1/runs/r/alerts").json()
+    assert (alert["rule"], alert["state"]) == ("TemplateCollapse", "firing")
+    feed(client, [2.0] * 4, start=3, key="b")  # resumed at step 3, healthy again
+    (superseded,) = client.get("/v1/runs/r/alerts").json()
+    assert superseded["state"] == "resolved"
+    assert "superseded: the run resumed" in superseded["summary"]
+    assert gauge(client, "collapse_monitor_alerts") == {}
+    feed(client, [0.0] * 4, start=7, key="b")  # collapses again
+    states = {(a["state"], a["onset_step"]) for a in client.get("/v1/runs/r/alerts").json()}
+    assert ("firing", 7) in states
+
+
+def wait_points(client, n: int, timeout: float = 60.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        points: list[dict] = client.get("/v1/runs/r/metrics", params={"names": "reward_mean"}).json()["points"]
+        if len(points) >= n:
+            return points
+        time.sleep(0.05)
+    raise AssertionError(f"{n} points did not arrive: {points}")
+
+
+def test_rollouts_sent_out_of_order_before_scoring_stay_in_one_segment(database_url, client_for):
+    paused = client_for(database_url, scoring_paused=True)
+    paused.post("/v1/runs", json={"name": "r", "sampler": {"num_samples": 4, "samplers": ["first_turn"]}})
+    for step in (3, 1, 2):
+        assert paused.post("/v1/runs/r/batches", json={"step": step, "trajectories": trajectories()}).status_code == 202
+    scoring = client_for(database_url)  # a second process that scores
+    points = wait_points(scoring, 3)
+    assert [(p["step"], p["segment"]) for p in points] == [(1, 0), (2, 0), (3, 0)]
+    # Once step 3 was scored, a step 1 is a resume: the new segment replaces the series from step 1 on.
+    resumed = scoring.post("/v1/runs/r/batches", json={"step": 1, "trajectories": trajectories(n_groups=3)})
+    assert wait_for(scoring, resumed.json()["batch_id"])["status"] == "done"
+    points = scoring.get("/v1/runs/r/metrics", params={"names": "reward_mean"}).json()["points"]
+    assert [(p["step"], p["segment"]) for p in points] == [(1, 1)]
