@@ -230,8 +230,11 @@ def _run_worker(args: argparse.Namespace) -> Any:
         signal.signal(sig, lambda *_: stop.set())
     sessions = make_sessions(engine)
     with httpx.Client() as http:
-        dispatcher, _ = start_in_thread(Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts")
+        dispatcher, dispatcher_stop = start_in_thread(
+            Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts"
+        )
         Worker(sessions, settings, ScorerPool(settings)).run(stop)
+        dispatcher_stop.set()
         dispatcher.join(timeout=30)
     engine.dispose()
     return None
