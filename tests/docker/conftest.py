@@ -22,6 +22,7 @@ import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -36,7 +37,7 @@ SERVICE_IMAGE = "collapse-monitor-test/service:latest"
 STAND_INS = ("postgres", "prometheus", "alertmanager")
 
 
-def unavailable(reason: str) -> None:
+def unavailable(reason: str) -> NoReturn:
     if os.environ.get("CI") == "true":
         pytest.fail(f"the Docker tests must run under CI: {reason}")
     pytest.skip(reason)
@@ -159,7 +160,6 @@ def find_or_start_engine() -> Engine:
         time.sleep(0.5)
     engine.stop()
     unavailable(f"dockerd did not answer within 60 s: {tail(CACHE / 'dockerd.log')}")
-    raise AssertionError("unreachable")  # unavailable() raised
 
 
 def tail(path: Path, n_chars: int = 2000) -> str:
@@ -216,7 +216,8 @@ def ensure_base_image(engine: Engine) -> None:
 
 
 def image_requirements() -> list[str]:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    dependencies: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return dependencies
 
 
 def ensure_wheels() -> None:

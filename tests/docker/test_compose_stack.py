@@ -117,7 +117,7 @@ def collapsing_run(stack: Stack) -> str:
 
 
 def test_the_migration_ran_once_and_the_api_and_two_workers_run(stack):
-    states = {}
+    states: dict[str, list[tuple[str, str]]] = {}
     for line in stack.compose("ps", "--all", "--format", "{{.Service}} {{.State}} {{.ExitCode}}").stdout.splitlines():
         service, state, code = line.split()
         states.setdefault(service, []).append((state, code))
@@ -158,7 +158,8 @@ def test_prometheus_scrapes_the_per_run_gauges_the_api_stores(stack, collapsing_
     def query(expr: str) -> list[dict]:
         body = httpx.get(f"{stack.prometheus}/api/v1/query", params={"query": expr}).json()
         assert body["status"] == "success", body
-        return body["data"]["result"]
+        result: list[dict] = body["data"]["result"]
+        return result
 
     series: list[dict] = []
 

@@ -19,7 +19,9 @@ def test_migrate_goes_to_head_then_to_a_named_revision_and_refuses_an_unknown_on
         monkeypatch.delenv(key)
     script = ScriptDirectory.from_config(alembic_config(database_url))
     head = script.get_current_head()
+    assert head is not None
     previous = script.get_revision(head).down_revision
+    assert isinstance(previous, str)
 
     assert main(["migrate", "--database-url", database_url]) == 0
     assert json.loads(capsys.readouterr().out) == {"from_revision": None, "revision": head}

@@ -38,7 +38,8 @@ def compose_config(*files: str) -> dict:
         env={"PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)
+    config: dict = yaml.safe_load(result.stdout)
+    return config
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "test/Dockerfile"])
@@ -52,7 +53,9 @@ def test_hadolint_passes(dockerfile):
 def test_the_image_runs_the_cli_as_a_numeric_non_root_user():
     text = (DOCKER / "Dockerfile").read_text()
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert re.search(r'^ENTRYPOINT \["(.+)"\]$', text, re.MULTILINE).group(1) in scripts
+    entrypoint = re.search(r'^ENTRYPOINT \["(.+)"\]$', text, re.MULTILINE)
+    assert entrypoint is not None
+    assert entrypoint.group(1) in scripts
     (user,) = re.findall(r"^USER (.+)$", text, re.MULTILINE)
     uid = user.split(":")[0]
     assert uid.isdigit()
@@ -132,7 +135,7 @@ def test_the_env_example_lists_every_variable_the_compose_files_read_with_compos
     example = dict(
         line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines() if line and line[0] != "#"
     )
-    read = {}
+    read: dict[str, str] = {}
     for name in ("compose.yaml", "compose.gpu.yaml"):
         read |= dict(re.findall(r"\$\{([A-Z_]+):-([^}]*)\}", (DOCKER / name).read_text()))
     assert example == read
