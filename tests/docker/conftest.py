@@ -269,6 +269,8 @@ def images(engine: Engine) -> Images:
             timeout=900,
         )
     if engine.process is not None:
-        # Our own engine keeps its state between runs: drop the images that rebuilds left untagged.
+        # Our own engine keeps its state between runs: drop the images rebuilds left untagged, and build
+        # cache beyond what the current images need (the least recently used goes first).
         engine.run("image", "prune", "--force")
+        engine.run("builder", "prune", "--force", "--keep-storage=4GB")
     return Images(SERVICE_IMAGE, stand_ins)
