@@ -8,6 +8,8 @@
                                                  the HTTP service (with an embedded worker)
     collapse-monitor worker  [--database-url URL]
                                                  a scoring worker process sharing the database
+    collapse-monitor migrate [--database-url URL] [--revision REV]
+                                                 bring the database schema to REV (default head), then exit
     collapse-monitor demo    [--url URL] [--steps N]
                                                  feed a running server a simulated run that collapses
     collapse-monitor dashboards push --url URL --token TOKEN
@@ -113,6 +115,12 @@ def _build_parser() -> _Parser:
     _service_flags(worker)
     worker.set_defaults(command=_run_worker)
 
+    migrate = commands.add_parser("migrate", help="bring the database schema to a revision (default head), then exit")
+    migrate.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite in the data folder)")
+    migrate.add_argument("--data-dir", type=Path, help="folder of the embedded SQLite database (default ./data)")
+    migrate.add_argument("--revision", default="head", help="head (default), base, or a revision id to go back to")
+    migrate.set_defaults(command=_run_migrate)
+
     demo = commands.add_parser("demo", help="feed a running server a simulated RL run that falls into collapse")
     demo.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
     demo.add_argument("--run", default="demo-sokoban", help="run name (default demo-sokoban)")
@@ -173,10 +181,11 @@ def service_settings(args: argparse.Namespace) -> Any:
         overrides["embedded_worker"] = False
     try:
         settings = Settings(**overrides)
-        if args.scorer is not None:
+        scorer = getattr(args, "scorer", None)
+        if scorer is not None:
             scorers = dict(settings.scorers)
-            scorers.setdefault(args.scorer, args.scorer)
-            settings = Settings(**overrides, scorers=scorers, default_scorer=args.scorer)
+            scorers.setdefault(scorer, scorer)
+            settings = Settings(**overrides, scorers=scorers, default_scorer=scorer)
     except ValidationError as e:
         raise UsageError(f"settings: {format_validation_error(e)}") from e
     return settings
@@ -221,11 +230,28 @@ def _run_worker(args: argparse.Namespace) -> Any:
         signal.signal(sig, lambda *_: stop.set())
     sessions = make_sessions(engine)
     with httpx.Client() as http:
-        dispatcher, _ = start_in_thread(Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts")
+        dispatcher, dispatcher_stop = start_in_thread(
+            Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts"
+        )
         Worker(sessions, settings, ScorerPool(settings)).run(stop)
+        dispatcher_stop.set()
         dispatcher.join(timeout=30)
     engine.dispose()
     return None
+
+
+def _run_migrate(args: argparse.Namespace) -> Any:
+    from alembic.util import CommandError
+
+    from service.storage.database import current_revision, migrate
+
+    url = service_settings(args).resolved_database_url
+    before = current_revision(url)
+    try:
+        migrate(url, args.revision)
+    except CommandError as e:
+        raise UsageError(f"--revision: {e}") from e
+    return {"from_revision": before, "revision": current_revision(url)}
 
 
 def _configure_logging() -> None:

@@ -47,19 +47,25 @@ def alembic_config(url: str) -> Any:
 def migrate(url: str, revision: str = "head") -> None:
     """Brings the database at ``url`` to ``revision`` (upgrade or downgrade)."""
     from alembic import command
-    from alembic.runtime.migration import MigrationContext
 
     config = alembic_config(url)
-    engine = make_engine(url)
-    try:
-        with engine.connect() as connection:
-            current = MigrationContext.configure(connection).get_current_revision()
-    finally:
-        engine.dispose()
+    current = current_revision(url)
     if revision == "base" or (current is not None and _is_ahead(config, current, revision)):
         command.downgrade(config, revision)
     else:
         command.upgrade(config, revision)
+
+
+def current_revision(url: str) -> str | None:
+    """The schema revision of the database at ``url``; None before the first migration."""
+    from alembic.runtime.migration import MigrationContext
+
+    engine = make_engine(url)
+    try:
+        with engine.connect() as connection:
+            return MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
 
 
 def _is_ahead(config: Any, current: str, target: str) -> bool:
