@@ -86,8 +86,14 @@ def measure(base: str, requests: int) -> dict:
     }
 
 
-def concurrent(base: str, clients: int, requests: int) -> dict:
-    """``clients`` trainers at once, each posting ``requests`` batches to its own run as fast as it can."""
+def concurrent(base: str, clients: int, requests: int, rate: float = 0.0) -> dict:
+    """``clients`` trainers at once, each posting ``requests`` batches to its own run.
+
+    ``rate`` 0: each as fast as it can (closed loop: latency then measures the queue in front of the
+    server as much as the server). Otherwise each sends ``rate`` batches per second on a schedule
+    (open loop, as trainers do: a batch per training step), so latency is the server's answer time
+    at that load.
+    """
     bodies = [json.dumps(batch(step)).encode() for step in range(requests)]
     latencies: list[list[float]] = [[] for _ in range(clients)]
     barrier = threading.Barrier(clients + 1)
@@ -97,7 +103,10 @@ def concurrent(base: str, clients: int, requests: int) -> dict:
             http.post("/v1/runs", json={"name": f"load-{i}"})
             http.post(f"/v1/runs/load-{i}/batches", content=bodies[0], headers=JSON)  # warm-up
             barrier.wait()
-            for body in bodies[1:]:
+            start = time.perf_counter() + (i / clients / rate if rate else 0.0)  # spread the clients' phases
+            for n, body in enumerate(bodies[1:]):
+                if rate:
+                    time.sleep(max(0.0, start + n / rate - time.perf_counter()))
                 t0 = time.perf_counter()
                 response = http.post(f"/v1/runs/load-{i}/batches", content=body, headers=JSON)
                 latencies[i].append(time.perf_counter() - t0)
@@ -114,6 +123,7 @@ def concurrent(base: str, clients: int, requests: int) -> dict:
     every = [t for per_client in latencies for t in per_client]
     return {
         "clients": clients,
+        "per_client_rate": rate or "as fast as it can",
         "requests": len(every),
         "batches_per_second": round(len(every) / elapsed, 1),
         "ingest": percentiles(every),
@@ -211,6 +221,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--backends", default="sqlite,postgres")
     parser.add_argument("--clients", help="comma-separated numbers of concurrent clients, e.g. 8,32")
+    parser.add_argument("--rate", type=float, default=0.0, help="batches per second per client (0: closed loop)")
     parser.add_argument("--scoring-under-load", type=int, metavar="N", help="ingesting clients while scoring")
     args = parser.parse_args()
     for backend in args.backends.split(","):
@@ -229,7 +240,7 @@ def main() -> None:
                     print(json.dumps({"backend": backend, **scoring_throughput(base, args.scoring_under_load)}))
                 elif args.clients:
                     for clients in (int(n) for n in args.clients.split(",")):
-                        print(json.dumps({"backend": backend, **concurrent(base, clients, args.requests)}))
+                        print(json.dumps({"backend": backend, **concurrent(base, clients, args.requests, args.rate)}))
                 else:
                     print(json.dumps({"backend": backend, **measure(base, args.requests)}))
             finally:
