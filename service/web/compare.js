@@ -90,7 +90,7 @@ async function draw() {
   const body = ui.el("div", { class: "chart-body" });
   root.append(body);
   state.group = charts.group(() => {});
-  const member = state.group.add(body, { unit: state.catalogue[state.metric]?.help || state.metric, series: labels, height: 380 }, charts.align(series));
+  const member = state.group.add(body, { unit: state.metric, series: labels, height: 380 }, charts.align(series));
   member.series = labels.map((l) => ({ name: l.name, sampler: l.sampler, run: l.run }));
   const prom = state.catalogue[state.metric]?.prometheus;
   links.append(
