@@ -203,6 +203,18 @@ def matched_and_marginal(L: np.ndarray, column_of_row: np.ndarray) -> tuple[np.n
     return matched, marginal
 
 
+def prompt_posterior(L: np.ndarray) -> np.ndarray:
+    """[R, N] p(x_j | z_i) under a uniform prior over the N prompts: each row of L softmaxed.
+
+    The row-normalized cross-scoring matrix: a row peaks on its own prompt while reasoning depends
+    on the input, and is flat (1/N everywhere) once it does not. Stable for any magnitude.
+    Naive equivalent: ``np.exp(L) / np.exp(L).sum(axis=1, keepdims=True)`` (overflows for long z).
+    """
+    weights: np.ndarray = np.exp(L - L.max(axis=1, keepdims=True))  # [R, N]
+    posterior: np.ndarray = weights / weights.sum(axis=1, keepdims=True)
+    return posterior
+
+
 def retrieval_hits(
     L_tok: np.ndarray, column_of_row: np.ndarray, signature: np.ndarray
 ) -> tuple[dict[int, np.ndarray], float]:

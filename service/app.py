@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
 from service.alert_delivery import Dispatcher
-from service.api import alerts, batches, runs, system
+from service.api import alerts, batches, matrices, overview, pages, runs, system
 from service.api.middleware import BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
 from service.background import start_in_thread
 from service.errors import MonitorError, field_path, rejection_reasons
@@ -88,6 +88,10 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(alerts.router)
     app.include_router(system.router)
+    app.include_router(overview.router)
+    app.include_router(matrices.router)
+    app.include_router(pages.router)
+    app.mount("/static", pages.static_files(), name="static")
     app.add_exception_handler(MonitorError, _monitor_error)  # type: ignore[arg-type]  # Starlette's handler type is loose
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]  # as above
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]  # as above

@@ -22,6 +22,7 @@ from service.recording import ALL, ScoredBatch
 from service.runs import RunSnapshot, is_scheduled
 from service.schemas import BatchIn, BatchResult, RewardResult, TurnWithEntropy
 from service.settings import Settings
+from service.storage.matrices import MatrixRecord
 from service.storage.queries import Point
 
 
@@ -54,6 +55,7 @@ def score_rollouts(
             continue
         cross = score_batch(scorer, rows.batch, config)
         scored.tokens += cross.tokens_processed
+        labels = _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload)
         diagnostics, ema = compute_diagnostics(
             cross.L_tok,
             cross.L_seq,
@@ -61,10 +63,11 @@ def score_rollouts(
             rows.batch.column_prompts,
             emas.get(sampler, EmaState()),
             EstimatorConfig(bootstrap_seed=run.seed + index),
-            _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload),
+            labels,
         )
         entropy = token_entropy_stats(cross.token_entropy)
-        scored.add_sampler(sampler, diagnostics, ema, rows.batch.n_rows, rows.batch.n_columns, entropy)
+        matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources)
+        scored.add_sampler(sampler, diagnostics, ema, matrix, entropy)
     return scored
 
 

@@ -30,6 +30,7 @@ from service.schemas import (
 )
 from service.settings import Settings
 from service.storage import queries
+from service.storage.matrices import MatrixRecord
 from service.storage.tables import Batch, Run, ScorerLimits
 
 
@@ -252,7 +253,8 @@ def score_matrix(payload: MatrixBatchIn, ema: EmaState) -> ScoredBatch:
     config = EstimatorConfig(std_eps=payload.config.std_eps, ema_decay=payload.config.ema_decay)
     diagnostics, new_ema = compute_diagnostics(L_tok, L_seq, columns, payload.column_prompt_tokens, ema, config)
     scored = ScoredBatch(result=BatchResult(scored=True, samplers={}))
-    scored.add_sampler(payload.sampler, diagnostics, new_ema, len(L_tok), L_tok.shape[1], {})
+    matrix = MatrixRecord(payload.sampler, L_tok, columns, sorted(set(payload.row_group_ids)))
+    scored.add_sampler(payload.sampler, diagnostics, new_ema, matrix, {})
     return scored
 
 

@@ -1,7 +1,8 @@
 """A scored step in storage: what it writes (``ScoredBatch``) and writing it; the EMA states it starts from.
 
 Rollout batches (scored by a worker) and matrix batches (scored at ingest) write the same things
-in the caller's transaction: metric points, the latest values, EMA states, and the alert state
+in the caller's transaction: metric points, the latest values, EMA states, the cross-scoring
+matrices (for the web page's heatmap), and the alert state
 the new figures lead to. Must not import fastapi or torch.
 """
 
@@ -18,6 +19,7 @@ from service.runs import RunSnapshot
 from service.schemas import BatchResult, SamplerResult
 from service.settings import Settings
 from service.storage import queries
+from service.storage.matrices import MatrixRecord, save_matrices
 from service.storage.queries import Point
 from service.storage.tables import Batch
 
@@ -31,6 +33,7 @@ class ScoredBatch:
     result: BatchResult
     points: list[Point] = field(default_factory=list)
     ema: dict[str, EmaState] = field(default_factory=dict)
+    matrices: list[MatrixRecord] = field(default_factory=list)
     tokens: int = 0
     scorer: str | None = None
     checkpoint: str | None = None
@@ -40,14 +43,21 @@ class ScoredBatch:
         self.result.samplers[sampler] = SamplerResult(skipped_reason=reason)
 
     def add_sampler(
-        self, sampler: str, diagnostics: Diagnostics, ema: EmaState, rows: int, columns: int, entropy: dict[str, float]
+        self,
+        sampler: str,
+        diagnostics: Diagnostics,
+        ema: EmaState,
+        matrix: MatrixRecord,
+        entropy: dict[str, float],
     ) -> None:
-        """One sampler's diagnostics: its result, its points, and its EMA when it scored anything."""
+        """One sampler's diagnostics: its result, its points, and its EMA and matrix when it scored anything."""
+        rows, columns = matrix.L_tok.shape
         self.result.samplers = self.result.samplers or {}
         self.result.samplers[sampler] = SamplerResult.of(diagnostics, rows, columns, entropy)
         self.points.extend(sampler_points(sampler, diagnostics, entropy, rows, columns))
         if diagnostics.metrics:
             self.ema[sampler] = ema
+            self.matrices.append(matrix)
 
 
 def sampler_points(
@@ -73,12 +83,13 @@ def load_emas(session: Session, run_id: int, samplers: Iterable[str]) -> dict[st
 
 
 def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: ScoredBatch, settings: Settings) -> None:
-    """Writes a scored batch's points and EMA states, then re-evaluates the alerts they touch."""
+    """Writes a scored batch's points, EMA states and matrices, then re-evaluates the alerts they touch."""
     queries.record_points(
         session, run.id, batch.id, batch.step, batch.segment, scored.points, scored.scorer, scored.checkpoint
     )
     step = batch.step
     for sampler, ema in scored.ema.items():
         queries.save_ema(session, run.id, sampler, step, ema)
+    save_matrices(session, run.id, batch.id, step, scored.matrices)
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
     update_alerts(session, run, step, samplers, settings)

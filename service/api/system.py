@@ -11,7 +11,8 @@ from sqlalchemy import text
 
 from scoring.snr_filter import filter_groups
 from service.api.deps import State
-from service.schemas import FilterRequest, FilterResponse
+from service.metrics import EXPORTED, NAMESPACE
+from service.schemas import CatalogueEntry, CatalogueResponse, FilterRequest, FilterResponse
 
 router = APIRouter()
 
@@ -49,6 +50,14 @@ def readyz(state: State) -> JSONResponse:
 def metrics(state: State) -> Response:
     """Prometheus exposition: per-run diagnostics and service metrics."""
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/catalogue", tags=["system"])
+def catalogue() -> CatalogueResponse:
+    """The diagnostics exported to Prometheus: stored name, gauge name and meaning."""
+    return CatalogueResponse(
+        metrics=[CatalogueEntry(stored=e.stored, prometheus=f"{NAMESPACE}_{e.name}", help=e.help) for e in EXPORTED]
+    )
 
 
 @router.post("/v1/filter", tags=["filter"])

@@ -6,14 +6,17 @@ Must not import fastapi.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, case, exists, func, insert, or_, select, true, update
+from sqlalchemy import and_, bindparam, case, exists, func, insert, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.sql import ClauseElement
+from sqlalchemy.sql.compiler import SQLCompiler
 
 from scoring.estimators import EmaState
 from service.storage.tables import (
@@ -333,7 +336,7 @@ def metric_series(
     session: Session,
     run_id: int,
     names: Sequence[str] | None,
-    sampler: str | None,
+    samplers: Sequence[str] | None,
     from_step: int | None,
     to_step: int | None,
     limit: int,
@@ -345,8 +348,8 @@ def metric_series(
         query = query.where(_visible(segment_ends(session, run_id)))
     if names:
         query = query.where(MetricPoint.name.in_(names))
-    if sampler is not None:
-        query = query.where(MetricPoint.sampler == sampler)
+    if samplers:
+        query = query.where(MetricPoint.sampler.in_(samplers))
     if from_step is not None:
         query = query.where(MetricPoint.step >= from_step)
     if to_step is not None:
@@ -355,6 +358,86 @@ def metric_series(
         MetricPoint.step, MetricPoint.segment, MetricPoint.sampler, MetricPoint.name, MetricPoint.id
     ).limit(limit)
     return session.scalars(query).all()
+
+
+def metric_columns(
+    session: Session,
+    run_id: int,
+    names: Sequence[str] | None,
+    samplers: Sequence[str] | None,
+    from_step: int | None,
+    to_step: int | None,
+    limit: int,
+    all_segments: bool = False,
+) -> tuple[dict[tuple[str, str], tuple[list[int], list[float]]], bool]:
+    """(sampler, name) -> (steps, values), ascending steps: the points of ``metric_series`` as columns
+    (the ones in force, or with ``all_segments`` the superseded ones too), at most ``limit`` of them
+    (whole series first, in sampler and name order), and whether there were more.
+
+    A run's whole history (10,000 steps x 20 series) is read fast: the run's series are listed from
+    the latest-value table, then each is one range of the covering (run, sampler, name, step,
+    value) index, fetched as the driver's (step, value) tuples. Measured on SQLite, 130,000 points,
+    one busy 2-core machine: ORM rows of one query 1.2 s, driver rows of one query 0.6-1.2 s
+    (text columns on every row), driver rows of one query per series 0.5 s.
+    """
+    pairs = select(LatestMetric.sampler, LatestMetric.name).where(LatestMetric.run_id == run_id)
+    if names:
+        pairs = pairs.where(LatestMetric.name.in_(names))
+    if samplers:
+        pairs = pairs.where(LatestMetric.sampler.in_(samplers))
+    query = select(MetricPoint.step, MetricPoint.value).where(
+        MetricPoint.run_id == run_id,
+        MetricPoint.sampler == bindparam("sampler"),
+        MetricPoint.name == bindparam("name"),
+        *([MetricPoint.step >= from_step] if from_step is not None else []),
+        *([MetricPoint.step <= to_step] if to_step is not None else []),
+        # A run that never resumed has no superseded points: then this is TRUE and the index alone serves.
+        *([] if all_segments else [_visible(segment_ends(session, run_id))]),
+    )
+    query = query.order_by(MetricPoint.step, MetricPoint.segment).limit(bindparam("limit"))
+    out: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
+    left = limit
+    with driver_cursor(session, query) as fetch:
+        for sampler, name in session.execute(pairs.order_by(LatestMetric.sampler, LatestMetric.name)).all():
+            rows = fetch({"sampler": sampler, "name": name, "limit": left + 1})
+            if len(rows) > left:
+                if left:
+                    steps, values = zip(*rows[:left], strict=True)
+                    out[(sampler, name)] = (list(steps), list(values))
+                return out, True
+            if rows:
+                steps, values = zip(*rows, strict=True)
+                out[(sampler, name)] = (list(steps), list(values))
+                left -= len(rows)
+    return out, False
+
+
+@contextmanager
+def driver_cursor(session: Session, query: ClauseElement) -> Iterator[Callable[[dict[str, Any]], list[Any]]]:
+    """Runs ``query`` with given bind values on the database driver's own cursor; yields fetch(values).
+
+    For reads of 100,000s of rows: SQLAlchemy's Row objects cost about 3x the driver's tuples
+    there. The statement is still built and compiled by SQLAlchemy (once), only the fetch is the
+    driver's, so no type conversion happens: use it for plain numbers and strings only.
+    """
+    compiled = query.compile(dialect=session.get_bind().dialect)
+    assert isinstance(compiled, SQLCompiler)  # a SELECT compiles to SQL
+    positions = compiled.positiontup  # qmark drivers (sqlite3) take positional parameters
+
+    def bind(values: dict[str, Any]) -> Any:
+        merged = {**compiled.params, **values}
+        return [merged[name] for name in positions] if positions is not None else merged
+
+    cursor = session.connection().connection.cursor()
+    try:
+
+        def fetch(values: dict[str, Any]) -> list[Any]:
+            cursor.execute(compiled.string, bind(values))
+            return list(cursor.fetchall())
+
+        yield fetch
+    finally:
+        cursor.close()
 
 
 # Prometheus collector reads -------------------------------------------------------------------

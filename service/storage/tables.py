@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -116,6 +128,8 @@ class MetricPoint(Base):
     __table_args__ = (
         UniqueConstraint("batch_id", "sampler", "name", name="uq_metric_points_batch_sampler_name"),
         Index("ix_metric_points_run_name_step", "run_id", "name", "step"),
+        # Covering: series reads (charts, sparklines, alert rules) never touch the table itself.
+        Index("ix_metric_points_run_sampler_name_step", "run_id", "sampler", "name", "step", "value"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -212,3 +226,26 @@ class ScorerLimits(Base):
     vocab_size: Mapped[int] = mapped_column(Integer)
     max_positions: Mapped[int | None] = mapped_column(Integer)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ScoreMatrix(Base):
+    """The cross-scoring matrix of one scored batch and sampler, as the scorer computed it.
+
+    ``l_tok`` holds L_tok[i, j] = log p(z_i | x_j) per reasoning token (nats), float32
+    little-endian, row-major [n_rows, n_columns], rows in the order they were scored.
+    """
+
+    __tablename__ = "score_matrices"
+    __table_args__ = (Index("ix_score_matrices_run_sampler_step", "run_id", "sampler", "step"),)
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), primary_key=True)
+    sampler: Mapped[str] = mapped_column(String(32), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    n_rows: Mapped[int] = mapped_column(Integer)
+    n_columns: Mapped[int] = mapped_column(Integer)
+    l_tok: Mapped[bytes] = mapped_column(LargeBinary)
+    column_of_row: Mapped[list[Any]] = mapped_column()  # [n_rows] each row's own column
+    column_labels: Mapped[list[Any]] = mapped_column()  # [n_columns] the prompt group id of each column
+    row_sources: Mapped[list[Any] | None] = mapped_column(JSON)  # [n_rows] (trajectory, turn); None for matrices
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -20,6 +20,7 @@ TABLES = {
     "ema_states",
     "alerts",
     "alert_deliveries",
+    "score_matrices",
 }
 
 

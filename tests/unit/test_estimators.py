@@ -13,6 +13,7 @@ from scoring.estimators import (
     EstimatorConfig,
     MatrixError,
     compute_diagnostics,
+    prompt_posterior,
     token_entropy_stats,
 )
 
@@ -202,3 +203,15 @@ def test_token_entropy_stats_weigh_tokens_for_the_mean_and_rows_for_percentiles(
     assert stats["token_entropy_p10"] == pytest.approx(1.2)
     assert stats["token_entropy_p90"] == pytest.approx(2.8)
     assert token_entropy_stats([np.array([])]) == {}
+
+
+def test_prompt_posterior_is_each_row_softmaxed_and_stable_for_long_reasoning():
+    rng = np.random.default_rng(0)
+    L = rng.normal(-3, 1, (6, 4))
+    naive = np.exp(L) / np.exp(L).sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(prompt_posterior(L), naive, rtol=1e-12)
+    long = L * 400  # sequence log-probs of thousands of tokens: exp() underflows to 0 naively
+    posterior = prompt_posterior(long)
+    assert np.isfinite(posterior).all()
+    np.testing.assert_allclose(posterior.sum(axis=1), 1.0)
+    np.testing.assert_allclose(prompt_posterior(np.zeros((2, 5))), 0.2)

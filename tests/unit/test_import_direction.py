@@ -41,13 +41,16 @@ def test_use_cases_storage_metrics_and_alerts_import_no_web_framework():
     loaded = modules_loaded_by(
         "import service.storage.queries, service.storage.database, service.metrics, service.alert_rules, "
         "service.alert_state, service.alert_delivery, service.ingest, service.runs, service.recording, "
-        "service.batch_scoring, service.worker"
+        "service.batch_scoring, service.worker, service.storage.overview, service.storage.matrices"
     )
     assert not loaded & {"fastapi", "starlette", "uvicorn"}
 
 
 def test_routers_never_load_the_composition_root_and_an_api_process_never_loads_torch():
-    routers = modules_loaded_by("import service.api.runs, service.api.batches, service.api.alerts, service.api.system")
+    routers = modules_loaded_by(
+        "import service.api.runs, service.api.batches, service.api.alerts, service.api.system, "
+        "service.api.overview, service.api.matrices, service.api.pages"
+    )
     assert "service.app" not in routers
     assert not modules_loaded_by("import service.app, service.ingest") & {"torch", "transformers", "service.worker"}
 

@@ -1,0 +1,105 @@
+"""One scored step as the web page's heatmap shows it: the cross-scoring matrix and per-prompt breakdown."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Query
+
+from scoring.estimators import prompt_posterior
+from scoring.partition import split_turn
+from service.api.deps import State
+from service.errors import NotFound
+from service.schemas import BatchIn, MatrixResponse, PromptDetail
+from service.storage import matrices, queries
+from service.storage.tables import Batch, Run, ScoreMatrix
+
+router = APIRouter(tags=["runs"])
+EXCERPTS = 3  # reasoning texts shown per prompt
+EXCERPT_CHARS = 400
+
+
+@router.get("/v1/runs/{run}/matrix", responses={404: {"description": "Unknown run, or no matrix at that step"}})
+def step_matrix(
+    state: State,
+    run: str,
+    sampler: Annotated[str | None, Query(description="The sampler; the run's first with a stored matrix.")] = None,
+    step: Annotated[int | None, Query(ge=0, description="A scored step; the newest when absent.")] = None,
+) -> MatrixResponse:
+    """The cross-scoring matrix of one scored step, rows grouped by prompt, with the per-prompt breakdown."""
+    with state.sessions() as session:
+        target = queries.run_by_name(session, run)
+        if target is None:
+            raise NotFound(f"run {run!r} does not exist; create it with POST /v1/runs", field="run")
+        found = _find(session, target, sampler, step)
+        if found is None:
+            at = f" at step {step}" if step is not None else ""
+            raise NotFound(
+                f"run {run!r} has no stored matrix{at} for sampler {sampler or 'any'}: steps off the "
+                "schedule, failed batches and batches scored before matrices were stored have none",
+                field="step",
+            )
+        matrix, batch = found
+        return _response(run, matrix, batch)
+
+
+def _find(session: Any, run: Run, sampler: str | None, step: int | None) -> tuple[ScoreMatrix, Batch] | None:
+    if sampler is not None:
+        return matrices.matrix_at(session, run.id, sampler, step)
+    for candidate in run.samplers:
+        found = matrices.matrix_at(session, run.id, candidate, step)
+        if found is not None:
+            return found
+    return matrices.matrix_at(session, run.id, None, step)
+
+
+def _response(run: str, matrix: ScoreMatrix, batch: Batch) -> MatrixResponse:
+    L_tok = matrices.l_tok_of(matrix)  # [R, N]
+    own = np.asarray(matrix.column_of_row, dtype=np.int64)
+    order = np.argsort(own, kind="stable")  # rows grouped by their prompt, scoring order within
+    result = (batch.result or {}).get("samplers", {}).get(matrix.sampler, {})
+    texts = _reasoning_texts(batch, matrix.row_sources, matrix.n_rows)
+    per_prompt = [
+        PromptDetail(
+            **c,
+            # H(Z|X) is minus the mean matched log-probability (as conditional_entropy_est), per prompt.
+            conditional_entropy=-c["matched_mean"],
+            excerpts=[t for i in order if own[i] == c["column"] and (t := texts[i])][:EXCERPTS],
+        )
+        for c in sorted(result.get("per_prompt", []), key=lambda c: c["mi_term"])
+    ]
+    grouped = L_tok[order]
+    return MatrixResponse(
+        run=run,
+        step=matrix.step,
+        sampler=matrix.sampler,
+        batch_id=matrix.batch_id,
+        rows=matrix.n_rows,
+        columns=matrix.n_columns,
+        column_group_ids=list(matrix.column_labels),
+        row_columns=own[order].tolist(),
+        row_sources=[matrix.row_sources[i] for i in order] if matrix.row_sources else None,
+        L_tok=grouped.tolist(),
+        row_normalized=prompt_posterior(grouped).tolist(),
+        metrics=result.get("metrics", {}),
+        per_prompt=per_prompt,
+    )
+
+
+def _reasoning_texts(batch: Batch, sources: list[Any] | None, n_rows: int) -> list[str | None]:
+    """[R] the reasoning text of each row, in scoring order (None where only token ids were sent)."""
+    if not sources or batch.kind != "rollouts":
+        return [None] * n_rows
+    payload = BatchIn.model_validate_json(batch.payload)
+    out: list[str | None] = []
+    for m, k in sources:
+        turn = payload.trajectories[m].turns[k]
+        if turn.reasoning is not None:
+            text = turn.reasoning
+        elif turn.response is not None:
+            text = split_turn(turn.prompt or "", turn.response)[1]
+        else:
+            text = None
+        out.append(text[:EXCERPT_CHARS].strip() if text else None)
+    return out

@@ -1,0 +1,104 @@
+"""Queries behind the runs overview: a few set-wise reads for any number of runs, none per run.
+
+Functions of a Session, like ``queries``; callers own the transaction. Must not import fastapi.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import bindparam, func, select
+from sqlalchemy.orm import Session
+
+from service.storage.queries import driver_cursor
+from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, as_utc
+
+
+@dataclass
+class RunFigures:
+    """What the overview shows of one run, read from storage."""
+
+    batches: dict[str, int] = field(default_factory=dict)
+    last_batch_at: datetime | None = None
+    last_step: int | None = None
+    samplers: list[str] = field(default_factory=list)  # samplers with stored figures, "all" excluded
+    latest: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # sampler -> name -> (value, step)
+    alerts: dict[str, int] = field(default_factory=dict)  # pending / firing -> count
+
+
+def runs_named(session: Session, names: Sequence[str] | None) -> Sequence[Run]:
+    query = select(Run).order_by(Run.id)
+    if names is not None:
+        query = query.where(Run.name.in_(names))
+    return session.scalars(query).all()
+
+
+def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) -> dict[int, RunFigures]:
+    """Batch counts, last batch time, last step, samplers, latest ``names`` and active alerts per run."""
+    out = {run_id: RunFigures() for run_id in run_ids}
+    if not run_ids:
+        return out
+    for run_id, status, n, newest in session.execute(
+        select(Batch.run_id, Batch.status, func.count(), func.max(Batch.created_at))
+        .where(Batch.run_id.in_(run_ids))
+        .group_by(Batch.run_id, Batch.status)
+    ):
+        figures = out[run_id]
+        figures.batches[status] = int(n)
+        arrived = as_utc(newest)
+        if arrived is not None and (figures.last_batch_at is None or arrived > figures.last_batch_at):
+            figures.last_batch_at = arrived
+    for run_id, sampler, last in session.execute(
+        select(LatestMetric.run_id, LatestMetric.sampler, func.max(LatestMetric.step))
+        .where(LatestMetric.run_id.in_(run_ids))
+        .group_by(LatestMetric.run_id, LatestMetric.sampler)
+    ):
+        figures = out[run_id]
+        figures.last_step = max(figures.last_step or 0, int(last))
+        if sampler != "all":
+            figures.samplers.append(sampler)
+    for run_id, sampler, name, value, step in session.execute(
+        select(
+            LatestMetric.run_id, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step
+        ).where(LatestMetric.run_id.in_(run_ids), LatestMetric.name.in_(names))
+    ):
+        out[run_id].latest.setdefault(sampler, {})[name] = (float(value), int(step))
+    for run_id, state, n in session.execute(
+        select(Alert.run_id, Alert.state, func.count())
+        .where(Alert.run_id.in_(run_ids), Alert.state.in_(("pending", "firing")))
+        .group_by(Alert.run_id, Alert.state)
+    ):
+        out[run_id].alerts[state] = int(n)
+    return out
+
+
+def recent_points(
+    session: Session, series: Sequence[tuple[int, str]], names: Sequence[str], n_points: int
+) -> dict[tuple[int, str, str], list[tuple[int, float]]]:
+    """The newest ``n_points`` (step, value) of each (run, sampler) x name, ascending steps.
+
+    One small query per series, each walking the (run, sampler, name, step) index backwards, so the
+    cost grows with the points returned, not with the runs' history (one window-function query
+    would read every stored point of every run; one UNION of them all spends longer being parsed).
+    """
+    out: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
+    if n_points <= 0:
+        return out
+    query = (
+        select(MetricPoint.step, MetricPoint.value)
+        .where(
+            MetricPoint.run_id == bindparam("run_id"),
+            MetricPoint.sampler == bindparam("sampler"),
+            MetricPoint.name == bindparam("name"),
+        )
+        .order_by(MetricPoint.step.desc())
+        .limit(n_points)
+    )
+    with driver_cursor(session, query) as fetch:
+        for run_id, sampler in series:
+            for name in names:
+                rows = fetch({"run_id": run_id, "sampler": sampler, "name": name})
+                out[(run_id, sampler, name)] = [(int(step), float(value)) for step, value in reversed(rows)]
+    return out

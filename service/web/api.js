@@ -1,0 +1,143 @@
+// The pages' only door to the server: JSON API calls with the user's bearer token, if one is set.
+// Every number shown comes from these calls; the pages only pick, order and draw.
+"use strict";
+
+const TOKEN_KEY = "collapse-monitor.token";
+const SERIES_LIMIT = 1000000; // the API's largest page of points
+
+const api = {
+  token() {
+    return localStorage.getItem(TOKEN_KEY) || "";
+  },
+
+  setToken(token) {
+    if (token) localStorage.setItem(TOKEN_KEY, token);
+    else localStorage.removeItem(TOKEN_KEY);
+  },
+
+  // GET a JSON document; on 401/403 asks for a token once and retries with it.
+  async get(path) {
+    for (let attempt = 0; ; attempt++) {
+      const headers = { Accept: "application/json" };
+      const token = api.token();
+      if (token) headers.Authorization = `Bearer ${token}`;
+      const response = await fetch(path, { headers });
+      if ((response.status === 401 || response.status === 403) && attempt === 0) {
+        const given = await askForToken(response.status, await errorText(response));
+        if (given !== null) continue;
+      }
+      if (!response.ok) throw new ApiError(path, response.status, await errorText(response));
+      return response.json();
+    }
+  },
+
+  // Query strings without empty values.
+  query(params) {
+    const kept = Object.entries(params).filter(([, v]) => v !== undefined && v !== null && v !== "");
+    return kept.length ? "?" + new URLSearchParams(kept).toString() : "";
+  },
+
+  runPath(run) {
+    return `/v1/runs/${encodeURIComponent(run)}`;
+  },
+
+  // The metric catalogue: stored name -> {prometheus, help}.
+  async catalogue() {
+    const body = await api.get("/v1/catalogue");
+    return Object.fromEntries(body.metrics.map((m) => [m.stored, m]));
+  },
+
+  // Runs with what the runs page shows (status, latest figures, sparklines), in one request;
+  // all runs, or only those named.
+  async overview(points, runs) {
+    return (await api.get("/v1/overview" + api.query({ points, runs: runs && runs.join(",") }))).runs;
+  },
+
+  async run(run) {
+    return api.get(api.runPath(run));
+  },
+
+  // Series as columns: {series: [{name, sampler, steps, values}], truncated}, from `fromStep` on when given.
+  async series(run, names, samplers, fromStep) {
+    const params = { names: names.join(","), sampler: samplers.join(","), from_step: fromStep };
+    return api.get(api.runPath(run) + "/metrics" + api.query({ ...params, format: "columns", limit: SERIES_LIMIT }));
+  },
+
+  seriesCsvUrl(run, names, sampler) {
+    return api.runPath(run) + "/metrics" + api.query({ names: names.join(","), sampler, format: "csv" });
+  },
+
+  async alerts(run) {
+    return api.get(api.runPath(run) + "/alerts");
+  },
+
+  // One scored step: the cross-scoring matrix (rows grouped by prompt) and the per-prompt breakdown.
+  async matrix(run, sampler, step) {
+    return api.get(api.runPath(run) + "/matrix" + api.query({ sampler, step }));
+  },
+};
+
+class ApiError extends Error {
+  constructor(path, status, detail) {
+    super(`${path}: ${status} ${detail}`);
+    this.status = status;
+    this.detail = detail;
+  }
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    return typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail ?? body);
+  } catch {
+    return response.statusText;
+  }
+}
+
+// One prompt at a time, shared by every request that was refused while it is open.
+let pendingPrompt = null;
+
+function askForToken(status, detail) {
+  if (pendingPrompt) return pendingPrompt;
+  const dialog = document.getElementById("token-dialog");
+  if (!dialog) return Promise.resolve(null);
+  const reasons = {
+    0: "The token this browser sends to the API.",
+    401: `The server wants a token to read this (${detail}).`,
+    403: `The token given may not read this (${detail}); give one with the read scope.`,
+  };
+  dialog.querySelector(".token-reason").textContent = reasons[status];
+  const input = dialog.querySelector("input");
+  input.value = api.token();
+  pendingPrompt = new Promise((resolve) => {
+    dialog.addEventListener(
+      "close",
+      () => {
+        pendingPrompt = null;
+        if (dialog.returnValue === "save") {
+          api.setToken(input.value.trim());
+          resolve(input.value.trim());
+        } else resolve(null);
+      },
+      { once: true },
+    );
+    dialog.showModal();
+    input.focus();
+  });
+  return pendingPrompt;
+}
+
+// The header's "token" button opens the same dialog on demand.
+function wireTokenButton() {
+  const button = document.getElementById("token-button");
+  if (!button) return;
+  const label = () => (button.textContent = api.token() ? "token ✓" : "token");
+  label();
+  button.addEventListener("click", async () => {
+    await askForToken(0, "");
+    label();
+    location.reload();
+  });
+}
+
+document.addEventListener("DOMContentLoaded", wireTokenButton);

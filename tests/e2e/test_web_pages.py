@@ -1,0 +1,244 @@
+"""The web pages in a real headless Chromium against a real server: what a person opening them sees."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from tests.e2e.browser import Console, chromium_missing, launched, screenshots, wait_for_charts
+from tests.e2e.conftest import Processes, service_env, start_service
+from tests.fixtures import dependence_matrix
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+pytestmark = pytest.mark.e2e
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    missing = chromium_missing()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(missing)
+        pytest.skip(missing)
+    with launched() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("web")
+    processes = Processes(tmp)
+    try:
+        yield start_service(processes, service_env(tmp))
+    finally:
+        processes.stop_all()
+
+
+def collapse(step: int) -> float:
+    """Input dependence of the collapsing run: 1 nat per token until step 10, none from step 15."""
+    return max(0.0, min(1.0, (15 - step) / 5))
+
+
+@pytest.fixture(scope="module")
+def runs(server) -> dict[str, list[dict]]:
+    """Three runs made through the API: steady, collapsing (matrix ingest), and one without batches."""
+    accepted: dict[str, list[dict]] = {}
+    with httpx.Client(base_url=server, timeout=30) as api:
+        for name, metadata in (
+            ("steady", {"model": "Qwen2.5-3B", "algorithm": "GRPO", "environment": "FrozenLake"}),
+            ("collapsing", {"model": "Qwen2.5-3B", "algorithm": "PPO", "environment": "Sokoban"}),
+            ("waiting", {}),
+        ):
+            api.post("/v1/runs", json={"name": name, "metadata": metadata}).raise_for_status()
+        for step in range(1, STEPS + 1):
+            for name, dependence in (("steady", 1.0), ("collapsing", collapse(step))):
+                response = api.post(
+                    f"/v1/runs/{name}/matrices", json=dependence_matrix(step, dependence, seed=len(name))
+                )
+                response.raise_for_status()
+                accepted.setdefault(name, []).append(response.json())
+    return accepted
+
+
+def open_page(browser: Browser, url: str) -> tuple[Page, Console]:
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    console = Console(page)
+    page.goto(url)
+    return page, console
+
+
+@pytest.mark.usefixtures("runs")
+def test_runs_page_lists_runs_created_through_the_api_with_their_status_lights(browser, server):
+    page, console = open_page(browser, f"{server}/")
+    page.wait_for_selector('#runs tr[data-run="waiting"]')
+    statuses = {
+        row.get_attribute("data-run"): row.get_attribute("data-status") for row in page.locator("#runs tbody tr").all()
+    }
+    firing = {a["run"] for a in httpx.get(f"{server}/v1/alerts", params={"state": "firing"}).json()}
+    assert firing == {"collapsing"}
+    assert statuses == {"collapsing": "firing", "steady": "healthy", "waiting": "waiting"}
+    assert page.locator('tr[data-run="collapsing"] .light').inner_text().lower() == "firing"
+
+    overview = {r["name"]: r for r in httpx.get(f"{server}/v1/overview").json()["runs"]}
+    mi = overview["steady"]["latest"]["mi_estimate"]["value"]
+    assert page.locator('tr[data-run="steady"] td[data-metric="mi_estimate"] .value').inner_text() == f"{mi:.3f}"
+    assert page.locator('tr[data-run="steady"] td[data-metric="mi_estimate"] svg.spark path').count() == 1
+    assert "Sokoban" in page.locator('tr[data-run="collapsing"]').inner_text()
+
+    page.fill("#filter", "coll")
+    assert [r.get_attribute("data-run") for r in page.locator("#runs tbody tr").all()] == ["collapsing"]
+    page.fill("#filter", "")
+    page.click('th[data-sort="name"]')
+    assert [r.get_attribute("data-run") for r in page.locator("#runs tbody tr").all()] == [
+        "collapsing",
+        "steady",
+        "waiting",
+    ]
+    assert console.errors == []
+    page.close()
+
+
+def drawn_points(page: Page) -> list[dict]:
+    drawn: list[dict] = page.evaluate(
+        """() => window.collapseMonitor.group.members.flatMap(m => m.series.map((s, i) => ({
+            chart: m.chartId, name: s.name, sampler: s.sampler,
+            points: m.u.data[i + 1].filter(v => v !== null).length })))"""
+    )
+    return drawn
+
+
+def test_run_page_draws_every_stored_point_the_alert_span_and_the_heatmap(browser, server, runs):
+    page, console = open_page(browser, f"{server}/runs/collapsing")
+    wait_for_charts(page)
+    page.wait_for_selector("svg.heatmap rect.cell")
+
+    drawn = drawn_points(page)
+    assert {"mi_estimate", "retrieval_accuracy", "retrieval_chance_level", "conditional_entropy_est"} <= {
+        d["name"] for d in drawn
+    }
+    for series in drawn:
+        stored = httpx.get(
+            f"{server}/v1/runs/collapsing/metrics", params={"names": series["name"], "sampler": series["sampler"]}
+        ).json()["points"]
+        assert series["points"] == len(stored) == STEPS, series
+
+    (alert,) = httpx.get(f"{server}/v1/runs/collapsing/alerts", params={"rule": "TemplateCollapse"}).json()
+    spans = page.evaluate(
+        """() => window.collapseMonitor.group.members.map(m => {
+            const span = m.u.over.querySelector('.alert-span.pending[data-rule="TemplateCollapse"]');
+            return span && {chart: m.chartId, onset: m.u.posToVal(parseFloat(span.style.left), 'x')};
+        })"""
+    )
+    assert len(spans) == len({d["chart"] for d in drawn})
+    assert all(spans), spans
+    for span in spans:
+        assert span["onset"] == pytest.approx(alert["onset_step"], abs=0.01), span
+    assert page.locator(".alert-span.firing").count() == len(spans)
+    assert page.locator(f'.alerts-table tr[data-alert-id="{alert["id"]}"]').inner_text().count("TemplateCollapse")
+
+    newest = runs["collapsing"][-1]
+    batch = httpx.get(f"{server}/v1/batches/{newest['batch_id']}").json()
+    shape = batch["results"]["samplers"]["matrix"]
+    assert page.locator("#step h2").inner_text().startswith(f"Step {STEPS}")
+    assert page.locator("svg.heatmap rect.cell").count() == shape["rows"] * shape["columns"] == 48
+    assert page.locator("table.breakdown tbody tr").count() == shape["columns"]
+    assert console.errors == []
+    page.close()
+
+
+def brightness(fill: str | None) -> float:
+    assert fill is not None
+    red, green, blue = (int(v) for v in re.findall(r"\d+", fill))
+    return 0.2126 * red + 0.7152 * green + 0.0722 * blue
+
+
+@pytest.mark.usefixtures("runs")
+def test_clicking_a_step_shows_its_heatmap_diagonal_before_collapse_and_flat_after(browser, server):
+    page, console = open_page(browser, f"{server}/runs/collapsing")
+    wait_for_charts(page)
+    page.wait_for_selector("svg.heatmap rect.cell")
+    contrast = {}
+    for step in (3, 20):
+        x, y = page.evaluate(
+            """step => { const u = window.collapseMonitor.group.members[0].u;
+                         const box = u.over.getBoundingClientRect();
+                         return [box.left + u.valToPos(step, 'x'), box.top + box.height / 2]; }""",
+            step,
+        )
+        page.mouse.click(x, y)
+        page.wait_for_selector(f"#step h2:text-matches('^Step {step}\\\\b')")
+        own = [brightness(c.get_attribute("fill")) for c in page.locator("svg.heatmap rect.cell.own").all()]
+        other = [brightness(c.get_attribute("fill")) for c in page.locator("svg.heatmap rect.cell:not(.own)").all()]
+        contrast[step] = sum(own) / len(own) - sum(other) / len(other)
+    # Healthy: own prompts at p ~ 0.47 against ~ 0.18 (1 nat per token apart, 4 prompts); collapsed: 1/4 everywhere.
+    assert contrast[3] > 35
+    assert abs(contrast[20]) < 10
+    assert console.errors == []
+    page.close()
+
+
+@pytest.mark.usefixtures("runs")
+def test_a_batch_posted_while_the_page_is_open_appears_without_a_reload(browser, server):
+    with httpx.Client(base_url=server, timeout=30) as api:
+        api.post("/v1/runs", json={"name": "live"}).raise_for_status()
+        for step in (1, 2, 3):
+            api.post("/v1/runs/live/matrices", json=dependence_matrix(step, 1.0)).raise_for_status()
+        page, console = open_page(browser, f"{server}/runs/live")
+        wait_for_charts(page)
+        page.evaluate("() => { window.notReloaded = true; }")
+        assert {d["points"] for d in drawn_points(page) if d["name"] == "mi_estimate"} == {3}
+        api.post("/v1/runs/live/matrices", json=dependence_matrix(4, 1.0)).raise_for_status()
+        page.wait_for_function(
+            """() => window.collapseMonitor.group.members[0].u.data[1].filter(v => v !== null).length === 4""",
+            timeout=20_000,
+        )
+        page.wait_for_selector("#step h2:text-matches('^Step 4\\\\b')")
+    assert page.evaluate("() => window.notReloaded") is True
+    assert "last step 4" in page.locator("#run-progress").inner_text()
+    assert console.errors == []
+    page.close()
+
+
+@pytest.mark.usefixtures("runs")
+def test_compare_overlays_one_metric_of_several_runs(browser, server):
+    page, console = open_page(browser, f"{server}/compare?runs=steady,collapsing&metric=mi_estimate")
+    wait_for_charts(page)
+    drawn = drawn_points(page)
+    assert [(d["name"], d["points"]) for d in drawn] == [("mi_estimate", STEPS), ("mi_estimate", STEPS)]
+    assert page.locator("#links a").count() == 2
+    assert 'collapse_monitor_mi_estimate_nats{run=~"steady|collapsing"' in page.locator("#links pre").inner_text()
+    assert console.errors == []
+    page.close()
+
+
+@pytest.mark.usefixtures("runs")
+def test_the_pages_send_the_token_the_user_gave(browser, server):
+    page = browser.new_page()
+    page.add_init_script("localStorage.setItem('collapse-monitor.token', 'secret-token')")
+    sent: list[str | None] = []
+    page.on("request", lambda r: sent.append(r.headers.get("authorization")) if "/v1/" in r.url else None)
+    page.goto(f"{server}/")
+    page.wait_for_selector("#runs tbody tr")
+    assert sent
+    assert set(sent) == {"Bearer secret-token"}
+    page.close()
+
+
+@pytest.mark.usefixtures("runs")
+def test_screenshots_of_the_runs_page_and_a_collapsing_run(browser, server, tmp_path):
+    shots = screenshots(browser, server, "collapsing", tmp_path, step=STEPS)
+    assert [p.name for p in shots] == ["runs-page.png", "run-page.png"]
+    for path in shots:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width == 1440
+        assert height >= 600
