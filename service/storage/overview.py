@@ -50,9 +50,11 @@ def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) 
         arrived = as_utc(newest)
         if arrived is not None and (figures.last_batch_at is None or arrived > figures.last_batch_at):
             figures.last_batch_at = arrived
+    current = LatestMetric.segment == Run.segment  # a resumed run shows its newest segment only
     for run_id, sampler, last in session.execute(
         select(LatestMetric.run_id, LatestMetric.sampler, func.max(LatestMetric.step))
-        .where(LatestMetric.run_id.in_(run_ids))
+        .join(Run, Run.id == LatestMetric.run_id)
+        .where(LatestMetric.run_id.in_(run_ids), current)
         .group_by(LatestMetric.run_id, LatestMetric.sampler)
     ):
         figures = out[run_id]
@@ -60,9 +62,9 @@ def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) 
         if sampler != "all":
             figures.samplers.append(sampler)
     for run_id, sampler, name, value, step in session.execute(
-        select(
-            LatestMetric.run_id, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step
-        ).where(LatestMetric.run_id.in_(run_ids), LatestMetric.name.in_(names))
+        select(LatestMetric.run_id, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step)
+        .join(Run, Run.id == LatestMetric.run_id)
+        .where(LatestMetric.run_id.in_(run_ids), LatestMetric.name.in_(names), current)
     ):
         out[run_id].latest.setdefault(sampler, {})[name] = (float(value), int(step))
     for run_id, state, n in session.execute(
@@ -77,7 +79,7 @@ def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) 
 def recent_points(
     session: Session, series: Sequence[tuple[int, str]], names: Sequence[str], n_points: int
 ) -> dict[tuple[int, str, str], list[tuple[int, float]]]:
-    """The newest ``n_points`` (step, value) of each (run, sampler) x name, ascending steps.
+    """The newest ``n_points`` (step, value) of each (run, sampler) x name in the run's current segment.
 
     One small query per series, each walking the (run, sampler, name, step) index backwards, so the
     cost grows with the points returned, not with the runs' history (one window-function query
@@ -92,13 +94,15 @@ def recent_points(
             MetricPoint.run_id == bindparam("run_id"),
             MetricPoint.sampler == bindparam("sampler"),
             MetricPoint.name == bindparam("name"),
+            MetricPoint.segment == bindparam("segment"),
         )
         .order_by(MetricPoint.step.desc())
         .limit(n_points)
     )
+    segments = dict(session.execute(select(Run.id, Run.segment).where(Run.id.in_({r for r, _ in series}))).all())
     with driver_cursor(session, query) as fetch:
         for run_id, sampler in series:
             for name in names:
-                rows = fetch({"run_id": run_id, "sampler": sampler, "name": name})
+                rows = fetch({"run_id": run_id, "sampler": sampler, "name": name, "segment": segments[run_id]})
                 out[(run_id, sampler, name)] = [(int(step), float(value)) for step, value in reversed(rows)]
     return out

@@ -97,3 +97,10 @@ def test_rollouts_sent_out_of_order_before_scoring_stay_in_one_segment(database_
     assert wait_for(scoring, resumed.json()["batch_id"])["status"] == "done"
     points = scoring.get("/v1/runs/r/metrics", params={"names": "reward_mean"}).json()["points"]
     assert [(p["step"], p["segment"]) for p in points] == [(1, 1)]
+
+
+def test_the_overview_shows_a_resumed_run_as_its_newest_segment(client):
+    feed(client, [2.0] * 6)
+    feed(client, [0.5] * 2, start=1, key="b")
+    (run,) = client.get("/v1/overview").json()["runs"]
+    assert run["last_step"] == 2
