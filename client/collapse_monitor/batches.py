@@ -176,8 +176,10 @@ def sample_indices(
     return sorted(kept)
 
 
-def encode(run: str, step: int, trajectories: list[dict[str, Any]], batch_id: str | None = None) -> tuple[str, bytes]:
-    """The request body of one batch and its idempotency key.
+def encode(
+    run: str, step: int, trajectories: list[dict[str, Any]], idempotency_key: str | None = None
+) -> tuple[str, bytes]:
+    """The request body of one batch and its idempotency key (``idempotency_key``).
 
     The key is ``{run}-{step}-{content hash}``: a replay of the same batch (a retry, a spooled copy,
     a resumed trainer sending a step again) is recognised by the service, while other content at the
@@ -194,5 +196,5 @@ def encode(run: str, step: int, trajectories: list[dict[str, Any]], batch_id: st
     # A lone surrogate (undecodable bytes a tokenizer let through) has no UTF-8 form; written as a
     # JSON escape it stays valid JSON and the service decides what to do with it.
     data = content.encode("utf-8", "backslashreplace")
-    key = batch_id or f"{run}-{step}-{hashlib.sha256(data).hexdigest()[:16]}"
-    return key, b'{"batch_id":' + json.dumps(key).encode() + b"," + data[1:]
+    key = idempotency_key or f"{run}-{step}-{hashlib.sha256(data).hexdigest()[:16]}"
+    return key, b'{"idempotency_key":' + json.dumps(key).encode() + b"," + data[1:]

@@ -171,10 +171,10 @@ class Monitor:
 
     # Sending --------------------------------------------------------------------------------
 
-    def log(self, step: int, trajectories: Sequence[Mapping[str, Any]], *, batch_id: str | None = None) -> None:
+    def log(self, step: int, trajectories: Sequence[Mapping[str, Any]], *, idempotency_key: str | None = None) -> None:
         """Queues one training step's trajectories; returns at once.
 
-        See ``collapse_monitor.batches.normalize`` for the trajectory format. ``batch_id``
+        See ``collapse_monitor.batches.normalize`` for the trajectory format. ``idempotency_key``
         overrides the content-derived idempotency key (rarely needed).
         """
         if not self._is_active("log"):
@@ -197,7 +197,7 @@ class Monitor:
         if left_out:
             rows = [rows[i] for i in kept]
         self._start().submit(
-            Request("batch", step, encode=functools.partial(encode, self.run, step, rows, batch_id)),
+            Request("batch", step, encode=functools.partial(encode, self.run, step, rows, idempotency_key)),
             rows_sampled_out=left_out,
         )
 

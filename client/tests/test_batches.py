@@ -101,13 +101,13 @@ def test_the_batch_key_is_the_same_for_the_same_content_and_differs_for_other_co
     assert key.startswith("grpo-1-7-")
     assert len(key) == len("grpo-1-7-") + 16
     assert other != key
-    assert json.loads(body) == {"batch_id": key, "step": 7, "trajectories": rows}
+    assert json.loads(body) == {"idempotency_key": key, "step": 7, "trajectories": rows}
 
 
-def test_an_explicit_batch_id_overrides_the_content_key():
+def test_an_explicit_idempotency_key_overrides_the_content_key():
     key, body = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}]), "mine")
     assert key == "mine"
-    assert json.loads(body)["batch_id"] == "mine"
+    assert json.loads(body)["idempotency_key"] == "mine"
 
 
 def test_text_that_utf8_cannot_hold_is_sent_as_a_json_escape():
