@@ -184,11 +184,7 @@ class Monitor:
             step = _step(step)
             rows = normalize(trajectories)
         except TrajectoryError as e:
-            self._sender.count("invalid")
-            self._sender.note_error(f"step {step}: {e}")
-            if self.strict:
-                raise
-            logger.error("collapse-monitor ignored the batch of step %s: %s", step, e)
+            self.invalid(step, str(e), e)
             return
         kept = sample_indices(
             [r["group_id"] for r in rows], max_groups=self.max_groups, max_rows=self.max_rows, seed=self.seed, step=step
@@ -200,6 +196,16 @@ class Monitor:
             Request("batch", step, encode=functools.partial(encode, self.run, step, rows, idempotency_key)),
             rows_sampled_out=left_out,
         )
+
+    def invalid(self, step: Any, reason: str, error: Exception | None = None) -> None:
+        """Records a batch that could not be built (integrations): counted, logged; raised when strict."""
+        self._sender.count("invalid")
+        self._sender.note_error(f"step {step}: {reason}")
+        if self.strict:
+            if error is not None:
+                raise error
+            raise TrajectoryError(reason)
+        logger.error("collapse-monitor ignored the batch of step %s: %s", step, reason)
 
     def sample_indices(self, step: int, group_ids: Sequence[Any]) -> list[int]:
         """The rows ``log()`` would keep at ``step`` for these group ids (integrations pick before decoding)."""

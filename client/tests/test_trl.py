@@ -33,12 +33,12 @@ def tiny_policy():
     return model, tokenizer
 
 
-def length_reward(completions, completion_ids, **kwargs):
+def length_reward(completions, completion_ids, **_kwargs):
     """A number for most completions; None (TRL: could not score) for lengths divisible by 5."""
     return [None if len(ids) % 5 == 0 else len(c[0]["content"]) / 10 for c, ids in zip(completions, completion_ids)]
 
 
-async def parity_reward(completion_ids, **kwargs):
+async def parity_reward(completion_ids, **_kwargs):
     """An async reward function, also None now and then."""
     return [None if len(ids) % 3 == 0 else float(len(ids) % 2) for ids in completion_ids]
 
@@ -77,9 +77,8 @@ def one_thread():
 
 # TRL 1.16's GRPOConfig still sets the name transformers 5.24 deprecated; nothing for us to change.
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
-def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoints(
-    service, run_name, tmp_path, one_thread
-):
+@pytest.mark.usefixtures("one_thread")
+def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoints(service, run_name, tmp_path):
     model, tokenizer = tiny_policy()
     prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
     output_dir = service.folder / "checkpoints" / run_name
