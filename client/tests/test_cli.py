@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 from rollouts import trajectories
@@ -38,7 +39,7 @@ def write_generations() -> Callable[..., None]:
     function.decorator_list = []  # a @staticmethod in the class
     namespace: dict = {"os": os, "json": json, "print": functools.partial(print, file=sys.stderr)}
     exec(compile(ast.Module(body=[function], type_ignores=[]), str(source), "exec"), namespace)
-    return namespace["_write_generations"]
+    return cast("Callable[..., None]", namespace["_write_generations"])
 
 
 def verl_step(write, folder: Path, step: int, n_prompts: int = 3, n: int = 2, **extra) -> None:

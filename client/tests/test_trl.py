@@ -10,13 +10,12 @@ from __future__ import annotations
 import atexit
 import math
 
+import datasets
 import pytest
 import torch
+from trl import GRPOConfig, GRPOTrainer
 
 from collapse_monitor import Monitor
-
-trl = pytest.importorskip("trl", reason="installed by scripts/setup")
-datasets = pytest.importorskip("datasets", reason="installed with trl")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -54,7 +53,7 @@ def expected_reward(text: str, ids: list[int]) -> float | None:
     return sum(parts) if parts else None
 
 
-class RecordingGRPOTrainer(trl.GRPOTrainer):
+class RecordingGRPOTrainer(GRPOTrainer):  # type: ignore[misc]  # trl is untyped here
     """Keeps the prompt and completion ids of every generation (what the policy really saw)."""
 
     def __init__(self, *args, **kwargs):
@@ -82,7 +81,7 @@ def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoi
     model, tokenizer = tiny_policy()
     prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
     output_dir = service.folder / "checkpoints" / run_name
-    args = trl.GRPOConfig(
+    args = GRPOConfig(
         output_dir=str(output_dir),
         per_device_train_batch_size=8,
         num_generations=NUM_GENERATIONS,

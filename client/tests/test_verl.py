@@ -7,15 +7,15 @@ omegaconf, which ``verl.protocol`` imports); see scripts/setup.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import verl
 
 from collapse_monitor import Monitor
 from collapse_monitor.integrations.verl import log_batch, trajectories
-
-verl = pytest.importorskip("verl", reason="installed by scripts/setup")
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -33,13 +33,12 @@ def tokenizer():
 
 
 def ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def prompt_text(tokenizer, question: str) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-    )
+    messages = [{"role": "user", "content": question}]
+    return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
 
 
 def pad_rows(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,9 +48,9 @@ def pad_rows(rows: list[list[int]], pad: int, left: bool) -> tuple[torch.Tensor,
     return torch.tensor(padded), torch.tensor(mask)
 
 
-def objects(values: list) -> np.ndarray:
+def objects(values: list) -> Any:
     """A 1-D object array, as verl keeps non-tensor columns (ragged lists stay lists)."""
-    out = np.empty(len(values), dtype=object)
+    out: Any = np.empty(len(values), dtype=object)
     for i, v in enumerate(values):
         out[i] = v
     return out
