@@ -10,6 +10,9 @@ Three ways to find the reasoning in a response (a run's ``reasoning_extraction``
   for models trained on plain completions, which write no think tags.
 * ``auto``: the tags when the turn has them: a complete block as ``think_tags``, an unclosed one
   as the reasoning it holds, cut where the generation stopped; the whole response otherwise.
+  Cross-scoring needs one X per prompt group, and X differs between the two readings (RAGEN's
+  ends with ``<think>``), so the service applies ``auto`` per group: the tags when every turn of
+  the group has them, the whole response for all of its turns otherwise (``has_think_tags``).
 
 Tokenization is the caller's: RAGEN tokenizes X and Z separately without special tokens, which
 can differ at the boundary from tokenizing X + Z together; we do the same so that our numbers
@@ -78,6 +81,11 @@ class Partition:
     is_truncated: bool  # a think block was opened (in the response or by the prompt) and never closed
 
 
+def has_think_tags(prompt: str, response: str) -> bool:
+    """Whether a turn writes think tags: the response opens or closes a block, or the prompt opened one."""
+    return THINK_OPEN in response or THINK_CLOSE in response or prompt.rstrip().endswith(THINK_OPEN)
+
+
 def partition_turn(prompt: str, response: str, extraction: Extraction = "think_tags") -> Partition:
     """Splits one turn into X and Z text under ``extraction`` (see the module docstring)."""
     opened = response.find(THINK_OPEN)
@@ -85,8 +93,7 @@ def partition_turn(prompt: str, response: str, extraction: Extraction = "think_t
     is_open = opened >= 0 or prompt_opens
     body_start = opened + len(THINK_OPEN) if opened >= 0 else 0
     is_truncated = is_open and response.find(THINK_CLOSE, body_start) < 0
-    has_tags = is_open or THINK_CLOSE in response
-    if extraction == "whole_response" or (extraction == "auto" and not has_tags):
+    if extraction == "whole_response" or (extraction == "auto" and not has_think_tags(prompt, response)):
         return Partition(prompt, clean_reasoning(response), "whole_response", is_truncated)
     x, z = split_turn(prompt, response)
     if extraction == "auto" and is_truncated:

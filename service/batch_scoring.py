@@ -18,7 +18,7 @@ from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
 from service.errors import InvalidRequest
-from service.reasoning import reasoning_summary
+from service.reasoning import group_extractions, reasoning_summary
 from service.recording import ALL, ScoredBatch
 from service.runs import RunSnapshot, is_scheduled
 from service.schemas import BatchIn, BatchResult, RewardResult
@@ -139,6 +139,7 @@ def reward_figures(payload: BatchIn, filter_settings: dict[str, object]) -> tupl
 
 def tokenized(payload: BatchIn, scorer: Scorer, extraction: Extraction = "think_tags") -> list[Trajectory]:
     """The batch's trajectories as token ids under ``scorer``'s tokenizer; 400 for what it cannot encode."""
+    per_group = group_extractions(payload, extraction)
     trajectories = []
     for t, trajectory in enumerate(payload.trajectories):
         turns = []
@@ -156,7 +157,7 @@ def tokenized(payload: BatchIn, scorer: Scorer, extraction: Extraction = "think_
                 response=turn.response,
                 reasoning=turn.reasoning,
                 reasoning_ids=turn.reasoning_token_ids,
-                extraction=extraction,
+                extraction=per_group[trajectory.group_id],
             )
             if not x:
                 raise InvalidRequest(

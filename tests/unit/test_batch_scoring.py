@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import pytest
 
@@ -20,7 +22,7 @@ def test_the_schedule_is_ragens_compute_freq_step_1_and_multiples(every, schedul
 
 
 def batch(
-    rewards: dict[int, list[float | None]], reasoning: bool = True, entropies: list[float] | None = None
+    rewards: Mapping[int, Sequence[float | None]], reasoning: bool = True, entropies: list[float] | None = None
 ) -> BatchIn:
     response = "<think>I look at the board.</think><answer>Up</answer>" if reasoning else "<answer>Up</answer>"
     return BatchIn.model_validate(

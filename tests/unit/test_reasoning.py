@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.reasoning import ingest_warnings, reasoning_summary
+from service.reasoning import group_extractions, ingest_warnings, reasoning_summary
 from service.schemas import BatchIn
 
 
@@ -32,7 +32,8 @@ PLAIN = ["The answer is 4.", "Let me see: 2 + 2 = 4.", "<think>First add the two
     ("extraction", "counts"),
     [
         ("think_tags", {"think_tags": 4, "whole_response": 0, "with_reasoning": 0}),
-        ("auto", {"think_tags": 1, "whole_response": 3, "with_reasoning": 4}),
+        # every group has a turn without tags: auto reads all of their turns as whole responses
+        ("auto", {"think_tags": 0, "whole_response": 4, "with_reasoning": 4}),
         ("whole_response", {"think_tags": 0, "whole_response": 4, "with_reasoning": 4}),
     ],
 )
@@ -46,6 +47,14 @@ def test_each_turn_is_counted_by_how_its_reasoning_was_found(extraction, counts)
         **counts,
     }
     assert sum(bool(t.turns[0].reasoning_ids) for t in presence) == counts["with_reasoning"]
+
+
+def test_auto_keeps_the_tags_of_groups_whose_every_turn_writes_them():
+    tagged = ["<think>add</think>4", "<think>two and two", "no tags", "<think>sum</think>4"]
+    assert group_extractions(batch(tagged), "auto") == {0: "auto", 1: "whole_response"}
+    summary, _ = reasoning_summary(batch(tagged), "auto")
+    assert (summary.think_tags, summary.whole_response, summary.truncated_think) == (2, 2, 1)
+    assert group_extractions(batch(tagged), "think_tags") == {0: "think_tags", 1: "think_tags"}
 
 
 def test_reasoning_sent_as_such_is_counted_as_sent():
