@@ -66,7 +66,7 @@ def test_trainer_entropies_show_in_the_figures():
 
 
 def test_missing_rewards_are_left_out_of_the_reward_figures_and_counted():
-    with_missing = {0: [1.0, None, 0.0], 1: [None, None], 2: [0.5, 0.5]}
+    with_missing: dict[int, list[float | None]] = {0: [1.0, None, 0.0], 1: [None, None], 2: [0.5, 0.5]}
     result, figures = reward_figures(batch(with_missing), {})
     present = {0: [1.0, 0.0], 2: [0.5, 0.5]}
     _, expected = reward_figures(batch(present), {})
