@@ -33,12 +33,12 @@ def tiny_policy():
 
 
 def length_reward(completions, completion_ids, **_kwargs):
-    """A number for most completions; None (TRL: could not score) for lengths divisible by 5."""
-    return [None if len(ids) % 5 == 0 else len(c[0]["content"]) / 10 for c, ids in zip(completions, completion_ids)]
+    """A number for most completions; None (TRL: could not score) for lengths divisible by 4."""
+    return [None if len(ids) % 4 == 0 else len(c[0]["content"]) / 10 for c, ids in zip(completions, completion_ids)]
 
 
 async def parity_reward(completion_ids, **_kwargs):
-    """An async reward function, also None now and then."""
+    """An async reward function; None for lengths divisible by 3, so both are None at 12 (the limit)."""
     return [None if len(ids) % 3 == 0 else float(len(ids) % 2) for ids in completion_ids]
 
 
@@ -47,7 +47,7 @@ WEIGHTS = [1.0, 0.5]
 
 def expected_reward(text: str, ids: list[int]) -> float | None:
     """TRL's total: the weighted sum of the rewards that are not None; None when all are."""
-    length = None if len(ids) % 5 == 0 else len(text) / 10
+    length = None if len(ids) % 4 == 0 else len(text) / 10
     parity = None if len(ids) % 3 == 0 else float(len(ids) % 2)
     parts = [w * r for w, r in zip(WEIGHTS, [length, parity]) if r is not None]
     return sum(parts) if parts else None
@@ -136,6 +136,8 @@ def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoi
         # one prompt per group, NUM_GENERATIONS completions each
         assert len({t["turns"][0]["prompt"] for t in sent}) == 2
 
+    rewards = [t["reward"] for b in batches for t in b["trajectories"]]
+    assert None in rewards  # sent as null, and the service took them
     saved = [(str(output_dir / f"checkpoint-{step}"), "full", step) for step in (2, 3)]  # save_steps, last step
     assert service.checkpoints(run_name) == saved
     assert service.checkpoint_of_batches(run_name) == [(1, None), (2, None), (3, saved[0][0])]
