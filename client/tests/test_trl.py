@@ -154,3 +154,44 @@ def stop_async_loop(trainer) -> None:
     shutdown_event_loop_in_daemon(trainer.async_loop_thread, trainer.async_loop)
     trainer.async_loop.close()
     atexit.unregister(shutdown_event_loop_in_daemon)
+
+
+def test_with_two_processes_the_main_process_sends_each_step_once_with_groups_across_ranks(service, run_name, tmp_path):
+    """torchrun, two CPU processes (gloo): every rank gathers its shard, rank 0 sends."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "URL": service.url,
+        "RUN": run_name,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore::FutureWarning",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(here / "trl_two_processes.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(line for line in run.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 sent 2",
+        "rank 1 sent 0",
+    ]
+    batches = service.payloads(run_name)
+    assert [b["step"] for b in batches] == [1, 2]
+    for batch in batches:
+        sent = batch["trajectories"]
+        assert [t["group_id"] for t in sent] == [0, 0, 0, 0, 1, 1, 1, 1]
+        prompts = [t["turns"][0]["prompt"] for t in sent]
+        # each group is one prompt's num_generations completions, although each rank held half of them
+        assert len(set(prompts[:4])) == 1
+        assert len(set(prompts[4:])) == 1
+        assert prompts[0] != prompts[4]
