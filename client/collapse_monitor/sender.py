@@ -39,7 +39,7 @@ class Stats:
     replayed: int = 0  # of those, answered as replays of an earlier send (nothing stored twice)
     rejected: int = 0  # refused by the service; kept under <spool>/rejected/ with the reason
     invalid: int = 0  # refused by log() itself (malformed trajectories); see the log
-    dropped: int = 0  # lost: the memory queue was full and the spool could not take them
+    dropped: int = 0  # lost: no room in memory nor in the spool, or logged after close()
     retries: int = 0  # failed attempts that were retried
     checkpoints_sent: int = 0
     checkpoints_rejected: int = 0
