@@ -135,9 +135,10 @@ def test_follow_runs_until_stopped_and_sends_a_rewritten_step_again(service, run
 
 
 def test_verl_transfer_queue_uids_make_multi_turn_trajectories(service, run_name, tmp_path, write_generations):
-    # verl's TransferQueue trainer keys rows {prompt uid}_{session}_{output index}; scores repeat per session
+    # verl's TransferQueue trainer keys rows {prompt uid}_{session}_{output index}; scores repeat per session,
+    # and every session of one prompt uid starts from that prompt
     uids = ["p0_0_0", "p0_0_1", "p0_1_0", "p1_0_0"]
-    prompts, responses = ["x0 turn 0", "x0 turn 1", "x0 again", "x1"], ["a", "b", "c", "d"]
+    prompts, responses = ["x0", "x0 turn 1", "x0", "x1"], ["a", "b", "c", "d"]
     write_generations(prompts, responses, [None] * 4, [1.0, 1.0, 0.0, 0.5], {"uid": uids}, str(tmp_path), 5)
     assert main(["send", str(tmp_path / "5.jsonl"), "--url", service.url, "--run", run_name]) == 0
     [batch] = service.payloads(run_name)
@@ -146,9 +147,9 @@ def test_verl_transfer_queue_uids_make_multi_turn_trajectories(service, run_name
         {
             "group_id": 0,
             "reward": 1.0,
-            "turns": [{"prompt": "x0 turn 0", "response": "a"}, {"prompt": "x0 turn 1", "response": "b"}],
+            "turns": [{"prompt": "x0", "response": "a"}, {"prompt": "x0 turn 1", "response": "b"}],
         },
-        {"group_id": 0, "reward": 0.0, "turns": [{"prompt": "x0 again", "response": "c"}]},
+        {"group_id": 0, "reward": 0.0, "turns": [{"prompt": "x0", "response": "c"}]},
         {"group_id": 1, "reward": 0.5, "turns": [{"prompt": "x1", "response": "d"}]},
     ]
 
