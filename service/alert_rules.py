@@ -18,6 +18,8 @@ Rules (RAGEN-2: entropy stays flat while input dependence vanishes under templat
     LowRewardSignal   the mean in-group reward std stays below ``reward_std_fraction`` of its
                       baseline for ``reward_window`` steps (RAGEN's early-stop rule), or the share
                       of zero-variance groups exceeds ``zero_variance_ratio`` for ``window`` steps.
+    NoReasoning       no turn of the run's batches carried reasoning to score for ``window``
+                      batches in a row: no collapse metric can be computed (no baseline needed).
 A baseline is the median of the first ``baseline_steps`` values; rules wait for it.
 Must not import fastapi or touch the database.
 """
@@ -32,7 +34,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], ascending steps
-RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal"]
+RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"]
 AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["critical", "warning"]
 MAX_WINDOW = 1000  # scored steps; every evaluation replays the history, so windows stay bounded
@@ -40,7 +42,13 @@ SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_e
 TEMPLATE: RuleName = "TemplateCollapse"
 ENTROPY: RuleName = "EntropyCollapse"
 REWARD: RuleName = "LowRewardSignal"
-SEVERITY: dict[RuleName, Severity] = {TEMPLATE: "critical", ENTROPY: "warning", REWARD: "warning"}
+NO_REASONING: RuleName = "NoReasoning"
+SEVERITY: dict[RuleName, Severity] = {
+    TEMPLATE: "critical",
+    ENTROPY: "warning",
+    REWARD: "warning",
+    NO_REASONING: "warning",
+}
 
 
 class AlertSettings(BaseModel):
@@ -64,7 +72,12 @@ class AlertSettings(BaseModel):
     )
     drop_fraction: float = Field(0.4, gt=0, le=1, description="Relative drop from the baseline that counts.")
     baseline_steps: int = Field(5, ge=1, le=MAX_WINDOW, description="Scored steps whose median is the baseline.")
-    window: int = Field(3, ge=1, le=MAX_WINDOW, description="Consecutive scored steps a condition must hold to fire.")
+    window: int = Field(
+        3,
+        ge=1,
+        le=MAX_WINDOW,
+        description="Consecutive scored steps a condition must hold to fire (NoReasoning: batches).",
+    )
     resolve_window: int = Field(2, ge=1, le=MAX_WINDOW, description="Consecutive scored steps without it to resolve.")
     entropy_signal: Literal["conditional_entropy_est", "token_entropy_mean"] = Field(
         "conditional_entropy_est", description="The entropy EntropyCollapse watches."
@@ -148,7 +161,7 @@ def evaluate(run: str, sampler: str, series: Series, config: AlertSettings) -> l
     if not config.enabled:
         return []
     if sampler == "all":
-        return _reward_episodes(run, series, config)
+        return _reward_episodes(run, series, config) + _no_reasoning_episodes(run, series, config)
     return _template_episodes(run, sampler, series, config) + _entropy_episodes(run, sampler, series, config)
 
 
@@ -349,6 +362,38 @@ def _reward_episodes(run: str, series: Series, config: AlertSettings) -> list[Ep
     return _episodes(REWARD, "all", [s for s, _ in rows], holds, ready, config, figures)
 
 
+NO_REASONING_ADVICE = (
+    "The run's batches carry no reasoning under its reasoning_extraction, so no collapse metric can be computed. "
+    "If the model writes no <think> tags, create the run with reasoning_extraction auto (the default) or "
+    "whole_response; if its think blocks are cut by the length limit (truncated_think_ratio), raise the "
+    "maximum completion length; or send each turn's reasoning explicitly (reasoning or reasoning_token_ids)."
+)
+
+
+def _no_reasoning_episodes(run: str, series: Series, config: AlertSettings) -> list[Episode]:
+    rows = series.get("valid_thinking_rate", [])
+    if not rows:
+        return []
+    holds = [value == 0 for _, value in rows]
+    truncated = dict(series.get("truncated_think_ratio", []))
+
+    def figures(span: _Span) -> _Figures:
+        streak = sum(1 for s, value in rows if span.onset <= s <= span.last and value == 0)
+        cut = (
+            f"; {truncated[span.last]:.0%} of the last batch's turns opened a think block and never closed it"
+            if truncated.get(span.last)
+            else ""
+        )
+        summary = (
+            f"{NO_REASONING} on run {run} at step {span.last}: no turn carried reasoning to score in {streak} "
+            f"batches in a row (since step {span.onset}){cut}"
+        )
+        return _Figures(0.0, 0.0, 0.0, summary, NO_REASONING_ADVICE)
+
+    ready = [n >= config.window for n in _streaks(holds)]
+    return _episodes(NO_REASONING, "all", [s for s, _ in rows], holds, ready, config, figures)
+
+
 def needed_series(config: AlertSettings) -> tuple[str, ...]:
     """The stored names the rules read."""
     return (
@@ -360,6 +405,8 @@ def needed_series(config: AlertSettings) -> tuple[str, ...]:
         "rollout/in_group_reward_std",
         "zero_variance_group_ratio",
         "rollout/filter_kept_ratio",
+        "valid_thinking_rate",
+        "truncated_think_ratio",
     )
 
 

@@ -13,14 +13,15 @@ import numpy as np
 
 from scoring.cross_scores import score_batch
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
-from scoring.partition import split_turn, turn_token_ids
+from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
 from service.errors import InvalidRequest
+from service.reasoning import group_extractions, reasoning_summary
 from service.recording import ALL, ScoredBatch
 from service.runs import RunSnapshot, is_scheduled
-from service.schemas import BatchIn, BatchResult, RewardResult, TurnWithEntropy
+from service.schemas import BatchIn, BatchResult, RewardResult
 from service.settings import Settings
 from service.storage.matrices import MatrixRecord
 from service.storage.queries import Point
@@ -33,18 +34,32 @@ def score_rollouts(
     get_scorer: Callable[[], Scorer],
     settings: Settings,
 ) -> ScoredBatch:
-    """Reward/SNR and coverage figures for every batch; cross-scoring diagnostics on scheduled steps."""
+    """Reward/SNR and coverage figures for every batch; cross-scoring diagnostics on scheduled steps.
+
+    A scheduled step counts as scored only when some sampler produced metrics: a batch whose
+    turns carry no reasoning says so in ``skipped_reason`` instead.
+    """
     rewards, figures = reward_figures(payload, run.filter)
+    summary, presence = reasoning_summary(payload, run.reasoning_extraction)
+    figures.update(coverage(presence))
+    figures["truncated_think_ratio"] = summary.truncated_think / summary.turns
+    figures["whole_response_turn_ratio"] = summary.whole_response / summary.turns
     scheduled = is_scheduled(payload.step, run.score_every)
     scored = ScoredBatch(
-        result=BatchResult(scored=scheduled, samplers={} if scheduled else None, rewards=rewards, figures=figures),
+        result=BatchResult(
+            scored=False,
+            samplers={} if scheduled else None,
+            reasoning=summary,
+            rewards=rewards,
+            figures=figures,
+        ),
         points=[Point(ALL, name, value) for name, value in figures.items()],
     )
     if not scheduled:
         return scored
     scorer = get_scorer()
     config = settings.scoring_config(scorer.name, run.temperature)
-    trajectories = tokenized(payload, scorer)
+    trajectories = tokenized(payload, scorer, run.reasoning_extraction)
     scored.scorer = run.scorer
     for index, sampler in enumerate(run.samplers):
         rows = sample_rows(
@@ -68,51 +83,63 @@ def score_rollouts(
         entropy = token_entropy_stats(cross.token_entropy)
         matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources)
         scored.add_sampler(sampler, diagnostics, ema, matrix, entropy)
+    samplers = scored.result.samplers or {}
+    scored.result.scored = any(result.metrics for result in samplers.values())
+    if not scored.result.scored:
+        reasons = sorted({result.skipped_reason for result in samplers.values() if result.skipped_reason})
+        scored.result.skipped_reason = "; ".join(reasons) or "no sampler produced metrics"
     return scored
 
 
 def reward_figures(payload: BatchIn, filter_settings: dict[str, object]) -> tuple[RewardResult, dict[str, float]]:
-    """SNR figures of the batch's reward groups, what the run's filter would keep, and coverage."""
-    group_ids = sorted({t.group_id for t in payload.trajectories})
-    rewards = [[t.reward for t in payload.trajectories if t.group_id == g] for g in group_ids]
-    advice = filter_groups(rewards, FilterConfig(**filter_settings))  # type: ignore[arg-type]  # validated at run creation
-    stds = np.array(advice.group_reward_std)
-    figures = dict(advice.metrics)
-    figures["reward_mean"] = float(np.mean([t.reward for t in payload.trajectories]))
-    figures["num_groups"] = float(len(group_ids))
-    figures["num_trajectories"] = float(len(payload.trajectories))
-    figures["zero_variance_group_ratio"] = float((stds <= ZERO_SPREAD).mean())
-    figures.update(coverage([_reasoning_presence(t.turns) for t in payload.trajectories]))
+    """SNR figures of the batch's reward groups and what the run's filter would keep of them.
+
+    Missing (null) rewards are left out of every reward figure and counted in
+    ``missing_reward_ratio``; a group whose rewards are all missing is not a reward group.
+    """
+    present = [t for t in payload.trajectories if t.reward is not None]
+    group_ids = sorted({t.group_id for t in present})
+    rewards = [[t.reward for t in present if t.group_id == g and t.reward is not None] for g in group_ids]
+    figures = {
+        "num_groups": float(len({t.group_id for t in payload.trajectories})),
+        "num_trajectories": float(len(payload.trajectories)),
+        "missing_reward_ratio": 1 - len(present) / len(payload.trajectories),
+    }
     trainer_entropy = [e for t in payload.trajectories for turn in t.turns for e in (turn.token_entropies or [])]
     if trainer_entropy:
         figures["trainer_token_entropy_mean"] = float(np.mean(trainer_entropy))
+    if not present:
+        warning = f"all {len(payload.trajectories)} rewards are missing: no reward figures for this batch"
+        empty = RewardResult(
+            group_ids=[],
+            group_reward_std=[],
+            selected_group_ids=[],
+            single_sample_group_ids=[],
+            missing_rewards=len(payload.trajectories),
+            warnings=[warning],
+            filter=dict(filter_settings),
+        )
+        return empty, figures
+    advice = filter_groups(rewards, FilterConfig(**filter_settings))  # type: ignore[arg-type]  # validated at run creation
+    stds = np.array(advice.group_reward_std)
+    figures.update(advice.metrics)
+    figures["reward_mean"] = float(np.mean([r for group in rewards for r in group]))
+    figures["zero_variance_group_ratio"] = float((stds <= ZERO_SPREAD).mean())
     result = RewardResult(
         group_ids=group_ids,
         group_reward_std=advice.group_reward_std,
         selected_group_ids=[group_ids[i] for i in advice.selected_groups],
         single_sample_group_ids=[group_ids[i] for i in advice.single_sample_groups],
+        missing_rewards=len(payload.trajectories) - len(present),
         warnings=advice.warnings,
         filter=dict(filter_settings),
     )
     return result, figures
 
 
-def _reasoning_presence(turns: list[TurnWithEntropy]) -> Trajectory:
-    """A stand-in trajectory whose turns only say whether reasoning is present (for coverage)."""
-    marks = []
-    for turn in turns:
-        if turn.reasoning_token_ids is not None:
-            present = bool(turn.reasoning_token_ids)
-        elif turn.reasoning is not None:
-            present = bool(turn.reasoning)
-        else:
-            present = bool(split_turn(turn.prompt or "", turn.response or "")[1])
-        marks.append(Turn(prompt_ids=(0,), reasoning_ids=(0,) if present else ()))
-    return Trajectory(group_id=0, turns=tuple(marks))
-
-
-def tokenized(payload: BatchIn, scorer: Scorer) -> list[Trajectory]:
+def tokenized(payload: BatchIn, scorer: Scorer, extraction: Extraction = "think_tags") -> list[Trajectory]:
     """The batch's trajectories as token ids under ``scorer``'s tokenizer; 400 for what it cannot encode."""
+    per_group = group_extractions(payload, extraction)
     trajectories = []
     for t, trajectory in enumerate(payload.trajectories):
         turns = []
@@ -130,6 +157,7 @@ def tokenized(payload: BatchIn, scorer: Scorer) -> list[Trajectory]:
                 response=turn.response,
                 reasoning=turn.reasoning,
                 reasoning_ids=turn.reasoning_token_ids,
+                extraction=per_group[trajectory.group_id],
             )
             if not x:
                 raise InvalidRequest(

@@ -4,9 +4,9 @@
     collapse-monitor filter  --input FILE        SNR-aware filter advice (RAGEN's rollout filter)
     collapse-monitor score   --model M --input FILE.jsonl
                                                  score a dumped batch: metrics, breakdown and L
-    collapse-monitor serve   [--host H] [--port P] [--database-url URL] [--scorer NAME_OR_PATH]
+    collapse-monitor serve   [--host H] [--port P] [--database-url URL] [--scorer NAME_OR_PATH] [--threads N]
                                                  the HTTP service (with an embedded worker)
-    collapse-monitor worker  [--database-url URL]
+    collapse-monitor worker  [--database-url URL] [--threads N]
                                                  a scoring worker process sharing the database
     collapse-monitor migrate [--database-url URL] [--revision REV]
                                                  bring the database schema to REV (default head), then exit
@@ -167,6 +167,9 @@ def _service_flags(parser: argparse.ArgumentParser) -> None:
         help="default scorer: a named scorer, a built-in model, a model folder or a .gguf file (default smollm2-135m)",
     )
     parser.add_argument("--data-dir", type=Path, help="folder of the embedded SQLite database (default ./data)")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads for scoring (default: one per core; cap it next to a trainer)"
+    )
 
 
 def service_settings(args: argparse.Namespace) -> Any:
@@ -174,7 +177,7 @@ def service_settings(args: argparse.Namespace) -> Any:
     from service.settings import Settings
 
     overrides: dict[str, Any] = {}
-    for flag in ("host", "port", "database_url", "data_dir"):
+    for flag in ("host", "port", "database_url", "data_dir", "threads"):
         if getattr(args, flag, None) is not None:
             overrides[flag] = getattr(args, flag)
     if getattr(args, "no_worker", False):

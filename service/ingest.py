@@ -10,13 +10,15 @@ import hashlib
 import json
 import math
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics
+from scoring.partition import Extraction
 from service.errors import Conflict, InvalidRequest, RunQueueFull, TooLarge, Unavailable
+from service.reasoning import ingest_warnings
 from service.recording import ScoredBatch, load_emas, record_step
 from service.runs import RunSnapshot, is_scheduled, require_run
 from service.schemas import (
@@ -79,9 +81,10 @@ def ingest_rollouts(
     check_groups(payload)
     with sessions.begin() as session:
         run = require_run(session, run_name)
+        warnings = ingest_warnings(payload, cast(Extraction, run.reasoning_extraction))
         replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw)
         if replay is not None:
-            return replay
+            return replay.model_copy(update={"warnings": warnings})
         check_scoring_cost(payload, run, settings)
         check_token_ids(payload, session.get(ScorerLimits, run.scorer))
         _check_queues(session, run.id, settings)
@@ -101,8 +104,9 @@ def ingest_rollouts(
             session.flush()
         except IntegrityError:  # a concurrent request with the same key won the race
             session.rollback()
-            return _replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw)
-    return _accepted(batch)
+            replayed = _replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw)
+            return replayed.model_copy(update={"warnings": warnings})
+    return _accepted(batch).model_copy(update={"warnings": warnings})
 
 
 def check_groups(payload: BatchIn) -> None:
@@ -252,9 +256,10 @@ def score_matrix(payload: MatrixBatchIn, ema: EmaState) -> ScoredBatch:
     L_tok, L_seq, columns = payload.arrays()
     config = EstimatorConfig(std_eps=payload.config.std_eps, ema_decay=payload.config.ema_decay)
     diagnostics, new_ema = compute_diagnostics(L_tok, L_seq, columns, payload.column_prompt_tokens, ema, config)
-    scored = ScoredBatch(result=BatchResult(scored=True, samplers={}))
+    scored = ScoredBatch(result=BatchResult(scored=bool(diagnostics.metrics), samplers={}))
     matrix = MatrixRecord(payload.sampler, L_tok, columns, sorted(set(payload.row_group_ids)))
     scored.add_sampler(payload.sampler, diagnostics, new_ema, matrix, {})
+    scored.result.skipped_reason = diagnostics.skipped_reason
     return scored
 
 

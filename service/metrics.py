@@ -64,6 +64,14 @@ EXPORTED = (
     ),
     Exported("valid_thinking_rate", "valid_thinking_ratio", "Share of turns carrying non-empty reasoning."),
     Exported(
+        "truncated_think_ratio",
+        "truncated_think_ratio",
+        "Share of turns whose think block was opened and never closed (cut by the length limit).",
+    ),
+    Exported(
+        "missing_reward_ratio", "missing_reward_ratio", "Share of trajectories sent with a null (missing) reward."
+    ),
+    Exported(
         "trainer_token_entropy_mean", "trainer_token_entropy_nats", "Mean of the token entropies the trainer sent."
     ),
 )

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from scoring.partition import Extraction
 from service.alert_rules import AlertSettings
 from service.errors import InvalidRequest, NotFound, RunConflict
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
@@ -34,6 +35,7 @@ class RunSnapshot:
     temperature: float
     filter: dict[str, Any]
     alerts: AlertSettings
+    reasoning_extraction: Extraction = "auto"
 
     @classmethod
     def of(cls, run: Run) -> RunSnapshot:
@@ -49,6 +51,7 @@ class RunSnapshot:
             temperature=run.temperature,
             filter=dict(run.filter),
             alerts=AlertSettings.model_validate(run.alert_rules),
+            reasoning_extraction=cast(Extraction, run.reasoning_extraction),
         )
 
 
@@ -79,6 +82,7 @@ def run_settings(run: Run) -> RunCreate:
             "temperature": run.temperature,
             "filter": run.filter,
             "alerts": run.alert_rules,
+            "reasoning_extraction": run.reasoning_extraction,
         }
     )
 
@@ -119,6 +123,7 @@ def create_run(sessions: sessionmaker[Session], settings: Settings, body: RunCre
             temperature=wanted.temperature,
             filter=wanted.filter.model_dump(),
             alert_rules=wanted.alerts.model_dump(),
+            reasoning_extraction=wanted.reasoning_extraction,
         )
         session.add(run)
         session.flush()

@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, per_token
+from scoring.partition import Extraction
 from scoring.snr_filter import FilterConfig
 from service.alert_rules import AlertSettings, AlertState, RuleName, Severity
 
@@ -275,6 +276,12 @@ class RunCreate(_Strict):
     )
     filter: FilterSettings = Field(default_factory=FilterSettings)
     alerts: AlertSettings = Field(default_factory=AlertSettings, description="Alert thresholds (docs/alerts.md).")
+    reasoning_extraction: Extraction = Field(
+        "auto",
+        description="Where a turn's `response` holds its reasoning: think_tags (RAGEN: the first "
+        "<think>...</think> block; none without one), whole_response (models trained on plain completions), or "
+        "auto: the tags when the turn has them (an unclosed block as far as it got), the whole response otherwise.",
+    )
 
 
 class RunResponse(RunCreate):
@@ -293,7 +300,10 @@ class TurnWithEntropy(TurnIn):
 
 class TrajectoryIn(_Strict):
     group_id: GroupId = Field(description="The prompt group: rollouts of the same prompt share it.")
-    reward: Reward = Field(description=f"The trajectory's total reward, within +-{MAX_ABS_REWARD:g}.")
+    reward: Reward | None = Field(
+        description=f"The trajectory's total reward, within +-{MAX_ABS_REWARD:g}; null when it is missing (the "
+        "trainer could not compute it): left out of the reward figures and counted (missing_reward_ratio)."
+    )
     turns: list[TurnWithEntropy] = Field(min_length=1, description="Turns in order; one for single-turn trainers.")
 
 
@@ -326,6 +336,11 @@ class BatchAccepted(_Strict):
     status: BatchState
     status_url: str
     replayed: bool = Field(False, description="True when this answers an identical replay of an earlier request.")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="What will keep the batch from being scored, found at ingest (e.g. no turn carries reasoning "
+        "under the run's reasoning_extraction); the batch is stored all the same.",
+    )
 
 
 class MatrixBatchIn(MatrixInput):
@@ -404,8 +419,21 @@ class RewardResult(BaseModel):
     group_reward_std: list[float]
     selected_group_ids: list[int]
     single_sample_group_ids: list[int]
+    missing_rewards: int = Field(0, description="Trajectories sent with a null reward, left out of the figures.")
     warnings: list[str]
-    filter: dict[str, Any]
+    filter: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReasoningSummary(BaseModel):
+    """How the reasoning of a batch's turns was found under the run's ``reasoning_extraction``."""
+
+    extraction: Extraction = Field(description="The run's setting.")
+    turns: int = Field(description="Turns in the batch.")
+    think_tags: int = Field(description="Turns whose reasoning came from a think block (complete or unclosed).")
+    whole_response: int = Field(description="Turns whose whole response was the reasoning.")
+    as_sent: int = Field(description="Turns that sent their reasoning (reasoning or reasoning_token_ids).")
+    truncated_think: int = Field(description="Turns whose think block was opened and never closed.")
+    with_reasoning: int = Field(description="Turns with reasoning to score.")
 
 
 class BatchResult(BaseModel):
@@ -414,8 +442,13 @@ class BatchResult(BaseModel):
     Parts a batch does not have (samplers of an unscored step, rewards of a matrix) are left out.
     """
 
-    scored: bool = Field(description="Whether the step was cross-scored (schedule.every).")
-    samplers: dict[str, SamplerResult] | None = Field(None, description="Per sampler; absent when not scored.")
+    scored: bool = Field(
+        description="Whether any sampler cross-scored the step: false off schedule (schedule.every) and when "
+        "nothing could be scored (skipped_reason)."
+    )
+    skipped_reason: str | None = Field(None, description="Why a scheduled step scored nothing.")
+    samplers: dict[str, SamplerResult] | None = Field(None, description="Per sampler; absent off schedule.")
+    reasoning: ReasoningSummary | None = Field(None, description="How the turns' reasoning was found (rollouts only).")
     rewards: RewardResult | None = Field(None, description="Reward groups and filter advice (rollouts only).")
     figures: dict[str, float] | None = Field(None, description="Batch-level figures, sampler `all` (rollouts only).")
 

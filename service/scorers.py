@@ -21,6 +21,10 @@ class ScorerPool:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        if settings.threads is not None:
+            import torch  # the pool lives in the scoring process, which loads torch anyway
+
+            torch.set_num_threads(settings.threads)
         self._loaded: OrderedDict[tuple[str, str | None], Scorer] = OrderedDict()
         self._lock = threading.Lock()
 

@@ -46,6 +46,12 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Scorer precision.")
     max_batch_tokens: int = Field(_SCORING.max_batch_tokens, ge=1, description="Token budget of every scoring forward.")
     max_loaded_scorers: int = Field(2, ge=1, description="Scorers (base models and checkpoints) kept in memory.")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="CPU threads of the scoring process (torch.set_num_threads); default: torch's, one per core. "
+        "Next to a trainer on the same machine, cap it: at the default the scorer doubled a TRL step's time.",
+    )
 
     embedded_worker: bool = Field(True, description="Score batches in a thread of the server process.")
     worker_poll_seconds: float = Field(0.5, gt=0, description="Idle wait between queue polls.")

@@ -66,6 +66,7 @@ class Run(Base):
     temperature: Mapped[float] = mapped_column(Float, default=1.0)
     filter: Mapped[dict[str, Any]] = mapped_column(default=dict)  # SNR filter settings for the advice
     alert_rules: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    reasoning_extraction: Mapped[str] = mapped_column(String(16), default="auto")  # auto | think_tags | whole_response
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     # A step below one already scored starts a new segment (a resumed or re-run trainer): the
     # series of the newest segment replace the older ones from its first step on. Steps that

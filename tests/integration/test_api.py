@@ -81,6 +81,7 @@ def test_a_batch_is_accepted_before_scoring_and_replays_answer_the_same(paused, 
         "status": "queued",
         "status_url": f"/v1/batches/{first['batch_id']}",
         "replayed": False,
+        "warnings": [],
     }
     # Same content, keys in another order and other spacing: the original batch.
     replay = paused.post(

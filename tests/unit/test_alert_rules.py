@@ -123,3 +123,29 @@ def test_rules_can_be_disabled_and_tuned_per_run():
 def test_invalid_thresholds_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         AlertSettings(**{field: value})
+
+
+def test_no_reasoning_fires_after_window_batches_without_reasoning_and_resolves_when_it_returns():
+    series = {
+        "valid_thinking_rate": steps([0.9, 0.0, 0.0, 0.0, 0.0, 0.5, 0.6]),
+        "truncated_think_ratio": steps([0.0, 0.4, 0.4, 0.5, 0.6, 0.1, 0.0]),
+    }
+    (episode,) = evaluate("r", "all", series, AlertSettings())
+    assert (episode.rule, episode.severity, episode.onset_step, episode.fired_step, episode.resolved_step) == (
+        "NoReasoning",
+        "warning",
+        2,
+        4,
+        7,
+    )
+    assert "no turn carried reasoning to score in 4 batches in a row (since step 2)" in episode.summary
+    assert "reasoning_extraction" in episode.description
+    firing = {k: v[:5] for k, v in series.items()}
+    (episode,) = evaluate("r", "all", firing, AlertSettings())
+    assert episode.state == "firing"
+    assert episode.summary.endswith("60% of the last batch's turns opened a think block and never closed it")
+
+
+def test_no_reasoning_stays_quiet_while_some_turn_carries_reasoning():
+    series = {"valid_thinking_rate": steps([0.0, 0.0, 0.1, 0.0, 0.0, 0.05])}
+    assert evaluate("r", "all", series, AlertSettings()) == []

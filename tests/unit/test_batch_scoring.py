@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 import pytest
 
@@ -19,7 +21,9 @@ def test_the_schedule_is_ragens_compute_freq_step_1_and_multiples(every, schedul
     assert [step for step in range(7) if is_scheduled(step, every)] == scheduled
 
 
-def batch(rewards: dict[int, list[float]], reasoning: bool = True, entropies: list[float] | None = None) -> BatchIn:
+def batch(
+    rewards: Mapping[int, Sequence[float | None]], reasoning: bool = True, entropies: list[float] | None = None
+) -> BatchIn:
     response = "<think>I look at the board.</think><answer>Up</answer>" if reasoning else "<answer>Up</answer>"
     return BatchIn.model_validate(
         {
@@ -51,14 +55,40 @@ def test_reward_figures_are_the_filters_figures_of_the_groups_plus_batch_figures
     assert figures["num_groups"] == 3
     assert figures["num_trajectories"] == 9
     assert figures["zero_variance_group_ratio"] == pytest.approx(1 / 3)  # group 0
-    assert figures["valid_thinking_rate"] == 1.0
+    assert figures["missing_reward_ratio"] == 0.0
+    assert result.missing_rewards == 0
     assert "trainer_token_entropy_mean" not in figures
 
 
-def test_trainer_entropies_and_missing_reasoning_show_in_the_figures():
-    _, figures = reward_figures(batch({0: [1.0, 0.0]}, reasoning=False, entropies=[1.0, 3.0]), {})
+def test_trainer_entropies_show_in_the_figures():
+    _, figures = reward_figures(batch({0: [1.0, 0.0]}, entropies=[1.0, 3.0]), {})
     assert figures["trainer_token_entropy_mean"] == 2.0
-    assert figures["valid_thinking_rate"] == 0.0
+
+
+def test_missing_rewards_are_left_out_of_the_reward_figures_and_counted():
+    with_missing: dict[int, list[float | None]] = {0: [1.0, None, 0.0], 1: [None, None], 2: [0.5, 0.5]}
+    result, figures = reward_figures(batch(with_missing), {})
+    present = {0: [1.0, 0.0], 2: [0.5, 0.5]}
+    _, expected = reward_figures(batch(present), {})
+    assert result.group_ids == [0, 2]  # group 1 has no reward at all
+    assert result.missing_rewards == 3
+    assert figures["missing_reward_ratio"] == pytest.approx(3 / 7)
+    assert figures["num_groups"] == 3
+    assert figures["num_trajectories"] == 7
+    for name in (
+        "reward_mean",
+        "zero_variance_group_ratio",
+        "rollout/in_group_reward_std",
+        "rollout/filter_kept_ratio",
+    ):
+        assert figures[name] == expected[name]
+
+
+def test_a_batch_without_any_reward_has_no_reward_figures_and_says_so():
+    result, figures = reward_figures(batch({0: [None, None], 1: [None]}), {})
+    assert figures == {"num_groups": 2.0, "num_trajectories": 3.0, "missing_reward_ratio": 1.0}
+    assert result.group_ids == []
+    assert result.warnings == ["all 3 rewards are missing: no reward figures for this batch"]
 
 
 def test_the_run_filter_settings_decide_what_would_be_kept():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,24 @@ def test_the_installed_console_script_exits_2_without_a_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == "error: rewards[1]: List should have at least 1 item after validation, not 0\n"
     assert "Traceback" not in proc.stderr
+
+
+def test_threads_caps_the_scoring_process_from_the_flag_or_the_environment(monkeypatch):
+    import torch
+
+    from service.cli import _build_parser, service_settings
+    from service.scorers import ScorerPool
+
+    for key in [k for k in os.environ if k.startswith("COLLAPSE_MONITOR_")]:
+        monkeypatch.delenv(key)
+    args = _build_parser().parse_args(["serve", "--threads", "1"])
+    assert service_settings(args).threads == 1
+    monkeypatch.setenv("COLLAPSE_MONITOR_THREADS", "2")
+    settings = service_settings(_build_parser().parse_args(["worker"]))
+    assert settings.threads == 2
+    before = torch.get_num_threads()
+    try:
+        ScorerPool(settings)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from scoring.batch import BatchError, ScoringBatch
-from scoring.partition import split_turn, turn_token_ids
+from scoring.partition import Partition, partition_turn, split_turn, turn_token_ids
 
 
 @pytest.mark.parametrize(
@@ -25,6 +25,32 @@ def test_split_turn_follows_ragen(prompt, response, x, z):
     assert split_turn(prompt, response) == (x, z)
 
 
+@pytest.mark.parametrize(
+    ("prompt", "response", "extraction", "expected"),
+    [
+        ("P", "<think>a b</think>Up", "think_tags", Partition("P<think>", "a b", "think_tags", False)),
+        ("P", "<think>a b</think>Up", "auto", Partition("P<think>", "a b", "think_tags", False)),
+        ("P", "<think>a b</think>Up", "whole_response", Partition("P", "a bUp", "whole_response", False)),
+        ("P", "I go up.", "think_tags", Partition("P<think>", "", "think_tags", False)),  # RAGEN: nothing
+        ("P", "I go up.", "auto", Partition("P", "I go up.", "whole_response", False)),  # no tags: all of it
+        ("P", "<think>cut by the len", "think_tags", Partition("P<think>", "", "think_tags", True)),
+        ("P", "<think>cut by the len", "auto", Partition("P<think>", "cut by the len", "think_tags", True)),
+        ("P", "<think>cut by the len", "whole_response", Partition("P", "cut by the len", "whole_response", True)),
+        ("P<think>", "cut by the len", "auto", Partition("P<think>", "cut by the len", "think_tags", True)),
+        ("P<think>", "plan</think>Up", "auto", Partition("P<think>", "plan", "think_tags", False)),
+        ("P", "plan</think>Up", "auto", Partition("P<think>", "plan", "think_tags", False)),  # RAGEN-prefixed
+    ],
+)
+def test_partition_turn_per_extraction(prompt, response, extraction, expected):
+    assert partition_turn(prompt, response, extraction) == expected
+
+
+def test_think_tags_extraction_is_ragens_split():
+    for prompt, response in [("P", "<think>a</think>b"), ("P<think>", "a</think>"), ("P", "none"), ("P", "<think>x")]:
+        part = partition_turn(prompt, response, "think_tags")
+        assert (part.x, part.z) == split_turn(prompt, response)
+
+
 def fake_encode(text):
     return tuple(ord(c) for c in text)
 
@@ -37,6 +63,10 @@ def test_turn_token_ids_tokenizes_prompt_and_reasoning_separately():
     assert turn_token_ids(fake_encode, prompt="ab", reasoning="  c ") == (fake_encode("ab"), fake_encode("  c "))
     assert turn_token_ids(fake_encode, prompt_ids=[1, 2], response="x<think>c</think>") == ((1, 2), (ord("c"),))
     assert turn_token_ids(fake_encode, prompt_ids=[1], reasoning_ids=[]) == ((1,), ())
+    assert turn_token_ids(fake_encode, prompt="ab", response="cd", extraction="whole_response") == (
+        fake_encode("ab"),
+        fake_encode("cd"),
+    )
 
 
 def test_columns_are_ascending_group_ids_with_the_first_rows_prompt():

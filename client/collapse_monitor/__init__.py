@@ -1,0 +1,18 @@
+"""collapse-monitor-client: feed a collapse-monitor service from an RL trainer without slowing it.
+
+    from collapse_monitor import Monitor
+
+    monitor = Monitor("http://127.0.0.1:8000", "grpo-math-3")
+    monitor.log(step, [{"group_id": g, "reward": r, "prompt": p, "response": c}, ...])
+
+Integrations: ``collapse_monitor.integrations.trl`` (GRPOTrainer, RLOOTrainer) and
+``collapse_monitor.integrations.verl`` (DataProto batches, RAGEN). Command line:
+``collapse-monitor-client send|follow``. See docs/client.md.
+"""
+
+from collapse_monitor.batches import TrajectoryError
+from collapse_monitor.monitor import Monitor, MonitorError, default_spool_dir
+from collapse_monitor.sender import Stats
+from collapse_monitor.version import __version__
+
+__all__ = ["Monitor", "MonitorError", "Stats", "TrajectoryError", "__version__", "default_spool_dir"]

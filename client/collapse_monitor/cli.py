@@ -1,0 +1,161 @@
+"""The ``collapse-monitor-client`` command line: send dumped rollouts, or follow a dump folder.
+
+    collapse-monitor-client send FILE.jsonl --run NAME [--url URL] [--step N]
+        send the batches of a JSONL file (batches, trajectories with a step, or verl rows)
+    collapse-monitor-client follow DIR --run NAME [--url URL] [--state FILE] [--once]
+        send each new step file of a rollout-dump folder (verl's trainer.rollout_data_dir)
+
+``--url`` defaults to ``$COLLAPSE_MONITOR_URL`` or http://127.0.0.1:8000. Batches that cannot be
+delivered stay in the spool and are sent by the next command (or monitor) of the same run. The
+result is one JSON document on stdout; bad arguments or input exit with 2, undelivered or refused
+batches with 1. Progress and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+from collapse_monitor.dumps import DumpError, batches_of, read_jsonl
+from collapse_monitor.follow import Follower, default_state_path
+from collapse_monitor.monitor import Monitor
+from collapse_monitor.version import __version__
+
+EXIT_NOT_DELIVERED = 1
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad arguments or input: one line on stderr, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+        result: dict[str, Any]
+        code: int
+        result, code = args.command(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(result))
+    return code
+
+
+def _build_parser() -> _Parser:
+    parser = _Parser(prog="collapse-monitor-client", description="Feed a collapse-monitor service.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_Parser)
+
+    send = commands.add_parser("send", help="send the batches of a JSONL file")
+    send.add_argument("file", type=Path, help="JSONL: batches, trajectories with a step, or verl dump rows")
+    send.add_argument("--step", type=int, help="step of lines that carry none (default: a numeric file name)")
+    send.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for delivery (default 60)")
+    _common(send)
+    send.set_defaults(command=_run_send)
+
+    follow = commands.add_parser("follow", help="send each new step file of a rollout-dump folder")
+    follow.add_argument("folder", type=Path, help="the dump folder (verl: trainer.rollout_data_dir)")
+    follow.add_argument("--state", type=Path, help="progress file (default: DIR/.collapse-monitor-RUN.state.json)")
+    follow.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the folder (default 2)")
+    follow.add_argument("--settle", type=float, default=5.0, help="seconds a last file must rest (default 5)")
+    follow.add_argument("--once", action="store_true", help="send what is complete now, then exit")
+    _common(follow)
+    follow.set_defaults(command=_run_follow)
+    return parser
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run", required=True, help="run name")
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("COLLAPSE_MONITOR_URL", "http://127.0.0.1:8000"),
+        help="the service (default: $COLLAPSE_MONITOR_URL or http://127.0.0.1:8000)",
+    )
+    parser.add_argument("--settings", help='run settings as JSON, e.g. \'{"schedule": {"every": 5}}\'')
+    parser.add_argument("--max-groups", type=int, help="send at most this many prompt groups per step")
+    parser.add_argument("--max-rows", type=int, help="send at most this many trajectories per step")
+    parser.add_argument("--spool-dir", type=Path, help="where undelivered batches wait (default: user cache)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+
+
+def _monitor(args: argparse.Namespace) -> Monitor:
+    settings: Any = {}
+    if args.settings:
+        try:
+            settings = json.loads(args.settings)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--settings: not JSON: {e}") from e
+        if not isinstance(settings, dict):
+            raise UsageError("--settings: expected a JSON object")
+    try:
+        return Monitor(
+            args.url,
+            args.run,
+            run_settings=settings,
+            max_groups=args.max_groups,
+            max_rows=args.max_rows,
+            spool_dir=args.spool_dir,
+            durable=True,  # a batch is on disk before the file that held it counts as sent
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    monitor = _monitor(args)
+    step = args.step
+    if step is None and args.file.stem.isdigit():
+        step = int(args.file.stem)
+    try:
+        batches = batches_of(read_jsonl(args.file), str(args.file), step=step)
+    except OSError as e:
+        raise UsageError(f"cannot read {args.file}: {e}") from e
+    except DumpError as e:
+        raise UsageError(str(e)) from e
+    if not batches:
+        raise UsageError(f"{args.file}: no batch in it")
+    for batch_step, trajectories in batches.items():
+        monitor.log(batch_step, trajectories)
+    delivered = monitor.close(timeout=args.timeout)
+    stats = monitor.stats()
+    code = 0 if delivered and not (stats.rejected or stats.invalid or stats.dropped) else EXIT_NOT_DELIVERED
+    return {"run": args.run, "steps": list(batches), "delivered": delivered, "stats": stats.as_dict()}, code
+
+
+def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    if not args.folder.is_dir():
+        raise UsageError(f"{args.folder} is not a folder")
+    monitor = _monitor(args)
+    try:
+        follower = Follower(args.folder, monitor, args.state or default_state_path(args.folder, args.run), args.settle)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    sent = follower.follow(args.poll, once=args.once, stop=stop)
+    delivered = monitor.close(timeout=30.0)
+    stats = monitor.stats()
+    code = 0 if delivered and not (stats.rejected or stats.invalid or stats.dropped) else EXIT_NOT_DELIVERED
+    return {"run": args.run, "steps": sent, "delivered": delivered, "stats": stats.as_dict()}, code

@@ -1,0 +1,1 @@
+"""Trainer integrations; each imports its framework lazily, from the trainer's environment."""

@@ -1,0 +1,275 @@
+"""TRL: every generation batch of a ``GRPOTrainer`` (or ``RLOOTrainer``) goes to collapse-monitor.
+
+    from collapse_monitor import Monitor
+    from collapse_monitor.integrations.trl import attach
+
+    trainer = GRPOTrainer(model=..., reward_funcs=[accuracy, formatting], args=args, train_dataset=ds)
+    attach(trainer, Monitor("http://monitor:8000", "grpo-math-3"))
+    trainer.train()
+
+``attach`` wraps the trainer's reward functions, so it sees exactly what TRL scores: the prompts,
+the completions (and their token ids) and each function's rewards, ``None`` included. It adds a
+``TrainerCallback`` that, at the end of each optimizer step, sends what was generated for it:
+
+* the **prompt** of each completion rebuilt as the trainer built it: the chat template of the
+  processing class, with the trainer's ``chat_template``, ``tools`` and ``chat_template_kwargs``
+  and the generation prompt (tokenized, it gives the ids the trainer generated from); plain-text
+  prompts as they are. ``token_ids=True`` sends those ids and the completion ids instead of text.
+* the **reward**: TRL's weighted sum of the reward functions (``reward_weights``), skipping the
+  ``None`` of a function that could not score a completion; null when none could. Reward models
+  (``nn.Module`` reward functions) are read through a forward hook.
+* the **group**: a dataset column ``uid`` when present, else ``i // num_generations`` over the
+  batch gathered from all processes, the grouping TRL normalises advantages with.
+* the **step**: ``state.global_step`` after the optimizer step the batch trained.
+* **multi-turn** completions (tool calls): one turn per assistant message, its prompt being the
+  conversation before it.
+
+With several processes every rank gathers its shard (``accelerate.utils.gather_object``, at the
+same point on every rank) and only the main process sends, one batch per step. Evaluation
+batches are not sent. Saved checkpoints are announced (``Monitor.checkpoint``) when the run scores
+with the policy (``scorer_mode="policy"``), or always with ``announce_checkpoints=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainerCallback
+
+from collapse_monitor.monitor import Monitor
+
+logger = logging.getLogger("collapse_monitor")
+
+
+@dataclass
+class _Generation:
+    """One generation batch as this process's reward functions saw it."""
+
+    prompts: list[Any]
+    completions: list[Any]
+    completion_ids: list[list[int]] | None
+    uids: list[Any] | None
+    rewards: dict[int, list[float | None]] = field(default_factory=dict)
+
+
+def attach(
+    trainer: Any,
+    monitor: Monitor,
+    *,
+    token_ids: bool = False,
+    announce_checkpoints: bool | None = None,
+    flush_timeout: float = 10.0,
+) -> CollapseMonitorCallback:
+    """Sends ``trainer``'s generation batches to ``monitor``; returns the callback it added.
+
+    Call it after building the trainer and before ``train()``, on every process.
+    """
+    for name in ("reward_funcs", "num_generations", "processing_class", "state", "accelerator"):
+        if not hasattr(trainer, name):
+            raise TypeError(f"attach() needs a TRL GRPOTrainer or RLOOTrainer; {type(trainer).__name__} has no {name}")
+    callback = CollapseMonitorCallback(trainer, monitor, token_ids, announce_checkpoints, flush_timeout)
+    trainer.add_callback(callback)
+    return callback
+
+
+class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
+    """Records what the reward functions see and sends it at each optimizer step's end."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        monitor: Monitor,
+        token_ids: bool = False,
+        announce_checkpoints: bool | None = None,
+        flush_timeout: float = 10.0,
+    ) -> None:
+        self.trainer = trainer
+        self.monitor = monitor
+        self.token_ids = token_ids
+        self.announce_checkpoints = (
+            monitor.run_settings.get("scorer_mode") == "policy"
+            if announce_checkpoints is None
+            else announce_checkpoints
+        )
+        self.flush_timeout = flush_timeout
+        self.weights = [float(w) for w in trainer.reward_weights.tolist()]
+        self._generations: list[_Generation] = []
+        self._module_rewards: dict[int, list[float | None]] = {}
+        self._rendered: dict[str, str] = {}
+        for index, func in enumerate(trainer.reward_funcs):
+            if hasattr(func, "register_forward_hook") and hasattr(func, "parameters"):  # a reward model
+                func.register_forward_hook(functools.partial(self._on_reward_model, index))
+            else:
+                trainer.reward_funcs[index] = self._wrap(index, func)
+
+    # Recording (every process, inside TRL's reward computation) -------------------------------
+
+    def _wrap(self, index: int, func: Callable[..., Any]) -> Callable[..., Any]:
+        if _is_async(func):
+
+            @functools.wraps(func)
+            async def recorded_async(*args: Any, **kwargs: Any) -> Any:
+                rewards = await func(*args, **kwargs)
+                self._record(index, kwargs, rewards)
+                return rewards
+
+            return recorded_async
+
+        @functools.wraps(func)
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            rewards = func(*args, **kwargs)
+            self._record(index, kwargs, rewards)
+            return rewards
+
+        return recorded
+
+    def _record(self, index: int, kwargs: dict[str, Any], rewards: Sequence[Any]) -> None:
+        if not self.trainer.model.training:
+            return  # an evaluation batch: not a training step
+        prompts = kwargs["prompts"]
+        current = self._generations[-1] if self._generations else None
+        if current is None or current.prompts is not prompts:  # TRL hands every function the same list
+            current = _Generation(
+                prompts=prompts,
+                completions=kwargs["completions"],
+                completion_ids=kwargs.get("completion_ids"),
+                uids=kwargs.get("uid"),
+                rewards=self._module_rewards,
+            )
+            self._module_rewards = {}
+            self._generations.append(current)
+        current.rewards[index] = [None if r is None else float(r) for r in rewards]
+
+    def _on_reward_model(self, index: int, _module: Any, _inputs: Any, output: Any) -> None:
+        if not self.trainer.model.training:
+            return
+        rewards: list[float | None] = [float(r) for r in output.logits[:, 0].tolist()]
+        current = self._generations[-1] if self._generations else None
+        # A model listed after a callable belongs to that callable's batch; listed first, to the next.
+        if current is not None and index not in current.rewards:
+            current.rewards[index] = rewards
+        else:
+            self._module_rewards[index] = rewards
+
+    # Sending (every process gathers, the main process sends) ---------------------------------
+
+    def on_step_end(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
+        if not self._generations:
+            return
+        generations, self._generations = self._generations, []
+        rows = [row for generation in generations for row in self._rows(generation)]
+        if self.trainer.accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            rows = gather_object(rows)  # concatenated in process order, as TRL gathers its rewards
+        if not state.is_world_process_zero:
+            return
+        self.monitor.log(state.global_step, trajectories(rows, self.trainer.num_generations))
+
+    def on_save(self, args: Any, state: Any, _control: Any, **kwargs: Any) -> None:
+        if not (self.announce_checkpoints and state.is_world_process_zero):
+            return
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        is_lora = hasattr(kwargs.get("model"), "peft_config")
+        self.monitor.checkpoint(folder, step=state.global_step, kind="lora" if is_lora else "full")
+
+    def on_train_end(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.monitor.flush(self.flush_timeout)
+
+    def _rows(self, generation: _Generation) -> list[dict[str, Any]]:
+        """This process's completions as plain rows: turns, reward (weighted sum) and uid."""
+        rows = []
+        for i, (prompt, completion) in enumerate(zip(generation.prompts, generation.completions)):
+            scored = [
+                self.weights[f] * reward
+                for f, rewards in generation.rewards.items()
+                if (reward := rewards[i]) is not None
+            ]
+            ids = generation.completion_ids[i] if generation.completion_ids is not None else None
+            rows.append(
+                {
+                    "turns": self._turns(prompt, completion, ids),
+                    "reward": sum(scored) if scored else None,
+                    "uid": generation.uids[i] if generation.uids is not None else None,
+                }
+            )
+        return rows
+
+    def _turns(self, prompt: Any, completion: Any, completion_ids: Sequence[int] | None) -> list[dict[str, Any]]:
+        if not _is_conversation(prompt):
+            if self.token_ids and completion_ids is not None:
+                ids = self.trainer.processing_class(text=prompt)["input_ids"]
+                return [{"prompt_token_ids": list(ids), "reasoning_token_ids": list(completion_ids)}]
+            return [{"prompt": str(prompt), "response": str(completion)}]
+        messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
+        if self.token_ids and completion_ids is not None and len(assistant) == 1:
+            ids = self._tokenizer()(self._render(prompt), add_special_tokens=False)["input_ids"]
+            return [{"prompt_token_ids": list(ids), "reasoning_token_ids": list(completion_ids)}]
+        return [
+            {"prompt": self._render(list(prompt) + messages[:k]), "response": _text(messages[k].get("content"))}
+            for k in assistant
+        ]
+
+    def _render(self, conversation: list[Any]) -> str:
+        """The conversation as the trainer tokenized it for generation (text, generation prompt appended)."""
+        key = json.dumps(conversation, sort_keys=True, default=str)
+        text = self._rendered.get(key)
+        if text is None:
+            if len(self._rendered) > 4096:  # prompts repeat within a batch, rarely across steps
+                self._rendered.clear()
+            tools = getattr(self.trainer, "tools", None)
+            text = self.trainer.processing_class.apply_chat_template(
+                conversation=conversation,
+                tools=tools or None,
+                chat_template=getattr(self.trainer, "chat_template", None),
+                add_generation_prompt=True,
+                tokenize=False,
+                **(getattr(self.trainer, "chat_template_kwargs", None) or {}),
+            )
+            self._rendered[key] = text
+        return str(text)
+
+    def _tokenizer(self) -> Any:
+        processing_class = self.trainer.processing_class
+        return getattr(processing_class, "tokenizer", processing_class)  # a processor wraps its tokenizer
+
+
+def trajectories(rows: list[dict[str, Any]], num_generations: int) -> list[dict[str, Any]]:
+    """Rows gathered from every process (in process order) as trajectories with their groups.
+
+    The group of row ``i`` is its ``uid`` when the dataset has one, else ``i // num_generations``:
+    TRL's sampler repeats each prompt ``num_generations`` times in a row across the gathered batch.
+    """
+    return [
+        {
+            "group_id": row["uid"] if row["uid"] is not None else i // num_generations,
+            "reward": row["reward"],
+            "turns": row["turns"],
+        }
+        for i, row in enumerate(rows)
+    ]
+
+
+def _is_conversation(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # content parts: keep the text ones
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+def _is_async(func: Any) -> bool:
+    while isinstance(func, functools.partial):
+        func = func.func
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004  # a callable instance's async __call__

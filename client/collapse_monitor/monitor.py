@@ -1,0 +1,394 @@
+"""The Monitor: the one object a training loop holds.
+
+``log()`` normalises and samples the trajectories and queues them: it never waits on the network.
+A background thread (``sender.py``) creates the run, delivers batches in order, retries and
+spools; the disk spool (``spool.py``) keeps batches across outages and restarts. By default
+nothing here raises into the training loop: failures are logged (logger ``collapse_monitor``) and
+counted in ``stats()``; ``strict=True`` raises instead. Must not import the integrations, torch
+or numpy.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import logging
+import operator
+import os
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices
+from collapse_monitor.sender import Request, Sender, Stats
+from collapse_monitor.spool import Spool
+from collapse_monitor.transport import Transport
+
+logger = logging.getLogger("collapse_monitor")
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class MonitorError(Exception):
+    """A strict monitor's failure: the service refused or could not be reached in time."""
+
+
+def default_spool_dir() -> Path:
+    """``$COLLAPSE_MONITOR_SPOOL_DIR``, else ``$XDG_CACHE_HOME/collapse-monitor/spool`` (``~/.cache``)."""
+    configured = os.environ.get("COLLAPSE_MONITOR_SPOOL_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(cache).expanduser() / "collapse-monitor" / "spool"
+
+
+class Monitor:
+    """Sends one run's rollouts to a collapse-monitor service without slowing the training loop.
+
+    Example:
+        >>> monitor = Monitor("http://127.0.0.1:8000", "grpo-math-3", schedule={"every": 5})
+        >>> monitor.log(step, [{"group_id": g, "reward": r, "prompt": p, "response": c}, ...])
+        >>> monitor.close()  # also done at interpreter exit
+
+    Args:
+        url: The service, e.g. ``http://127.0.0.1:8000``.
+        run: The run name (letters, digits, ``._-``; at most 128). Logging again under an existing
+            name attaches to that run (a resumed trainer).
+        project, metadata, schedule, sampler, scorer, scorer_mode, temperature, filter, alerts: Run
+            settings, as ``POST /v1/runs`` takes them (docs/api.md); only those given are sent.
+        run_settings: Further run settings, sent as given: fields newer than this client work too.
+        max_groups: Send at most this many prompt groups per step (drawn with ``seed``).
+        max_rows: Send at most this many trajectories per step, keeping whole groups.
+        seed: Seed of the client-side draw; the same step always keeps the same rows.
+        spool_dir: Where batches wait while the service is unreachable; this run uses
+            ``spool_dir/run``. Default: ``default_spool_dir()``.
+        max_queue: Batches held in memory before they go to the spool.
+        max_spool_bytes: Disk the spool may use; beyond it new batches are dropped (and counted).
+        durable: Write every batch to the spool before ``log()`` returns (command-line tools).
+        strict: Raise ``MonitorError`` (and ``TrajectoryError`` from ``log()``) instead of logging.
+        enabled: A disabled monitor does nothing: pass ``is_main_process`` on multi-process trainers.
+        timeout: Seconds per HTTP request.
+        exit_timeout: At interpreter exit, how long to wait for delivery before leaving the rest in
+            the spool for the next start (not waited when the service is unreachable).
+        headers: Extra HTTP headers (for example an authorization header of a proxy).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        run: str,
+        *,
+        project: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        schedule: Mapping[str, Any] | None = None,
+        sampler: Mapping[str, Any] | None = None,
+        scorer: str | None = None,
+        scorer_mode: str | None = None,
+        temperature: float | None = None,
+        filter: Mapping[str, Any] | None = None,
+        alerts: Mapping[str, Any] | None = None,
+        run_settings: Mapping[str, Any] | None = None,
+        max_groups: int | None = None,
+        max_rows: int | None = None,
+        seed: int = 0,
+        spool_dir: str | os.PathLike[str] | None = None,
+        max_queue: int = 64,
+        max_spool_bytes: int = 1 << 30,
+        durable: bool = False,
+        strict: bool = False,
+        enabled: bool = True,
+        timeout: float = 30.0,
+        exit_timeout: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if not RUN_NAME.match(run):
+            raise ValueError(f"run must match {RUN_NAME.pattern} (at most 128 characters), got {run!r}")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {url!r}")
+        for name, value in (("max_groups", max_groups), ("max_rows", max_rows)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 or None, got {value}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1, got {max_queue}")
+        given = {
+            "project": project,
+            "metadata": dict(metadata) if metadata is not None else None,
+            "schedule": dict(schedule) if schedule is not None else None,
+            "sampler": dict(sampler) if sampler is not None else None,
+            "scorer": scorer,
+            "scorer_mode": scorer_mode,
+            "temperature": temperature,
+            "filter": dict(filter) if filter is not None else None,
+            "alerts": dict(alerts) if alerts is not None else None,
+        }
+        self.url = url.rstrip("/")
+        self.run = run
+        self.run_settings: dict[str, Any] = {
+            "name": run,
+            **{k: v for k, v in given.items() if v is not None},
+            **dict(run_settings or {}),
+        }
+        self.max_groups = max_groups
+        self.max_rows = max_rows
+        self.seed = seed
+        self.strict = strict
+        self.enabled = enabled
+        self.exit_timeout = exit_timeout
+        self.spool_folder = Path(spool_dir if spool_dir is not None else default_spool_dir()).expanduser() / run
+        self._timeout = timeout
+        self._headers = dict(headers or {})
+        self._sender = Sender(
+            Transport(self.url, timeout, self._headers),
+            Spool(self.spool_folder),
+            run,
+            json.dumps(self.run_settings).encode(),
+            max_queue=max_queue,
+            max_spool_bytes=max_spool_bytes,
+            durable=durable,
+        )
+        self._lock = threading.Lock()
+        self._started = False
+        self._closed = False
+        self._pid = os.getpid()
+        self._warned: set[str] = set()
+        self._exit_hook = functools.partial(_close_at_exit, self)
+        if strict and enabled:
+            self._start()
+
+    def __repr__(self) -> str:
+        return f"Monitor(url={self.url!r}, run={self.run!r})"
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # Sending --------------------------------------------------------------------------------
+
+    def log(self, step: int, trajectories: Sequence[Mapping[str, Any]], *, idempotency_key: str | None = None) -> None:
+        """Queues one training step's trajectories; returns at once.
+
+        See ``collapse_monitor.batches.normalize`` for the trajectory format. ``idempotency_key``
+        overrides the content-derived idempotency key (rarely needed).
+        """
+        if not self._is_active("log"):
+            return
+        self._raise_failure()
+        try:
+            step = _step(step)
+            rows = normalize(trajectories)
+        except TrajectoryError as e:
+            self.invalid(step, str(e), e)
+            return
+        kept = sample_indices(
+            [r["group_id"] for r in rows], max_groups=self.max_groups, max_rows=self.max_rows, seed=self.seed, step=step
+        )
+        left_out = len(rows) - len(kept)
+        if left_out:
+            rows = [rows[i] for i in kept]
+        self._start().submit(
+            Request("batch", step, encode=functools.partial(encode, self.run, step, rows, idempotency_key)),
+            rows_sampled_out=left_out,
+        )
+
+    def invalid(self, step: Any, reason: str, error: Exception | None = None) -> None:
+        """Records a batch that could not be built (integrations): counted, logged; raised when strict."""
+        self._sender.count("invalid")
+        self._sender.note_error(f"step {step}: {reason}")
+        if self.strict:
+            if error is not None:
+                raise error
+            raise TrajectoryError(reason)
+        logger.error("collapse-monitor ignored the batch of step %s: %s", step, reason)
+
+    def sample_indices(self, step: int, group_ids: Sequence[Any]) -> list[int]:
+        """The rows ``log()`` would keep at ``step`` for these group ids (integrations pick before decoding)."""
+        return sample_indices(group_ids, max_groups=self.max_groups, max_rows=self.max_rows, seed=self.seed, step=step)
+
+    def checkpoint(self, path: str | os.PathLike[str], *, step: int | None = None, kind: str = "full") -> None:
+        """Announces a saved policy checkpoint (``kind`` ``full`` or ``lora``), in order with the batches.
+
+        Batches logged afterwards are scored with it when the run's ``scorer_mode`` is ``policy``.
+        The path must be readable by the service, under its ``checkpoint_root``.
+        """
+        if not self._is_active("checkpoint"):
+            return
+        self._raise_failure()
+        step = None if step is None else _step(step)
+        body = json.dumps({"path": os.path.abspath(os.fspath(path)), "kind": kind, "step": step}).encode()
+        self._start().submit(Request("checkpoint", step, body=body))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Waits until everything logged so far is delivered or refused; False when time ran out.
+
+        Retries at once even while backing off. A strict monitor raises ``MonitorError`` instead of
+        returning False, and when a batch was refused.
+        """
+        if not self._is_active("flush", warn=False):
+            stats = self._sender.stats()
+            return stats.queued == 0 and stats.spooled == 0
+        delivered = self._start().flush(timeout)
+        self._raise_failure()
+        if not delivered and self.strict:
+            raise MonitorError(self._undelivered_message(timeout))
+        return delivered
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Flushes for at most ``timeout`` seconds, then stops; what is left stays in the spool.
+
+        Batches left in the spool are sent by the next monitor of this run (also after a restart).
+        Returns whether everything was delivered. Idempotent; also called at interpreter exit.
+        """
+        return self._close(timeout, at_exit=False)
+
+    def _close(self, timeout: float, at_exit: bool) -> bool:
+        with self._lock:
+            if self._closed or os.getpid() != self._pid:
+                return True
+            self._closed = True
+        atexit.unregister(self._exit_hook)
+        delivered = True
+        if self._started:
+            delivered = self._sender.flush(timeout, give_up_when_unreachable=at_exit)
+            self._sender.stop(grace_seconds=1.0)
+            if not delivered:
+                logger.warning("collapse-monitor: %s", self._undelivered_message(timeout))
+        if self.strict and not at_exit:
+            self._raise_failure()
+            if not delivered:
+                raise MonitorError(self._undelivered_message(timeout))
+        return delivered
+
+    def stats(self) -> Stats:
+        """Counts of what was logged, sent, replayed, refused, spooled and dropped (see ``Stats``)."""
+        return self._sender.stats()
+
+    # Reading back ---------------------------------------------------------------------------
+
+    def alerts(self, *, state: str | None = None, rule: str | None = None) -> list[dict[str, Any]]:
+        """The run's alerts, oldest first (``state``: pending, firing or resolved)."""
+        answer = self._read(f"/v1/runs/{self.run}/alerts", {"state": state, "rule": rule})
+        return answer if isinstance(answer, list) else []
+
+    def metrics(
+        self,
+        names: Sequence[str] | None = None,
+        *,
+        sampler: str | None = None,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Stored metric points ``{step, sampler, name, value, ...}`` of the run, ordered by step."""
+        params = {
+            "names": ",".join(names) if names else None,
+            "sampler": sampler,
+            "from_step": from_step,
+            "to_step": to_step,
+        }
+        answer = self._read(f"/v1/runs/{self.run}/metrics", params)
+        return list(answer.get("points", [])) if isinstance(answer, dict) else []
+
+    def run_info(self) -> dict[str, Any]:
+        """The run as the service holds it: settings, last step, batches per status."""
+        answer = self._read(f"/v1/runs/{self.run}", {})
+        return answer if isinstance(answer, dict) else {}
+
+    # Internals ------------------------------------------------------------------------------
+
+    def _start(self) -> Sender:
+        with self._lock:
+            if self._started:
+                return self._sender
+            try:
+                self._sender.spool.open()
+            except OSError as e:
+                if self.strict:
+                    raise MonitorError(f"cannot open the spool at {self.spool_folder}: {e}") from e
+                logger.error("collapse-monitor cannot open its spool at %s: %s", self.spool_folder, e)
+            if self.strict:
+                self._create_run_now()
+            pending = self._sender.spool.pending
+            if pending:
+                logger.warning(
+                    "collapse-monitor: %d requests spooled by an earlier process in %s will be sent first",
+                    pending,
+                    self.spool_folder,
+                )
+            self._sender.start()
+            atexit.register(self._exit_hook)
+            self._started = True
+            return self._sender
+
+    def _create_run_now(self) -> None:
+        outcome = self._sender.transport.post("/v1/runs", self._sender.run_body)
+        if outcome.kind != "ok":
+            raise MonitorError(f"cannot create run {self.run!r} at {self.url}: {outcome.detail}")
+        self._sender.run_ready = True
+
+    def _is_active(self, what: str, warn: bool = True) -> bool:
+        if not self.enabled:
+            return False
+        if os.getpid() != self._pid:
+            self._warn_once("fork", "collapse-monitor: a forked process cannot use its parent's monitor; ignored")
+            return False
+        if self._closed:
+            if warn:
+                self._warn_once(f"closed-{what}", f"collapse-monitor: {what}() after close() is ignored")
+                if what == "log":
+                    self._sender.count("dropped")
+            return False
+        return True
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+
+    def _raise_failure(self) -> None:
+        if self.strict and self._sender.failure is not None:
+            failure, self._sender.failure = self._sender.failure, None
+            raise MonitorError(failure)
+
+    def _undelivered_message(self, timeout: float) -> str:
+        stats = self._sender.stats()
+        return (
+            f"{stats.queued + stats.spooled} requests not delivered after {timeout:g}s; they stay in "
+            f"{self.spool_folder} and are sent by the next monitor of run {self.run!r}"
+        )
+
+    def _read(self, path: str, params: dict[str, Any]) -> Any:
+        # A connection per read: reads are rare, and nothing is left open for a monitor never closed.
+        reader = Transport(self.url, self._timeout, self._headers)
+        try:
+            return reader.get(path, params)
+        except (httpx.HTTPError, ValueError) as e:
+            self._sender.count("read_errors")
+            if self.strict:
+                raise MonitorError(f"GET {path} failed: {e}") from e
+            logger.warning("collapse-monitor: GET %s failed: %s", path, e)
+            return None
+        finally:
+            reader.close()
+
+
+def _step(step: Any) -> int:
+    try:
+        value = operator.index(step)
+    except TypeError as e:
+        raise TrajectoryError(f"step must be an integer, got {step!r}") from e
+    if value < 0:
+        raise TrajectoryError(f"step must be at least 0, got {value}")
+    return value
+
+
+def _close_at_exit(monitor: Monitor) -> None:
+    try:
+        monitor._close(monitor.exit_timeout, at_exit=True)
+    except Exception:  # at exit, a failure to deliver must not turn into a crash report
+        logger.exception("collapse-monitor: closing at exit failed")

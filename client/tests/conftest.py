@@ -1,0 +1,25 @@
+"""Fixtures of the client tests: a real service on loopback, fresh run names, trajectories."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from running_service import RunningService
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory) -> Iterator[RunningService]:
+    """One service shared by the tests that do not stop it (each uses its own run)."""
+    folder = tmp_path_factory.mktemp("service")
+    (folder / "checkpoints").mkdir()
+    running = RunningService(folder, checkpoint_root=str(folder / "checkpoints"))
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def run_name(request) -> str:
+    return f"{request.node.name[:60].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:6]}"

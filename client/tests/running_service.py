@@ -1,0 +1,142 @@
+"""A real ``collapse-monitor serve`` process for the client tests: tiny-random scorer, SQLite.
+
+It can be killed and started again on the same port and database, as an outage looks to a
+trainer. What arrived is read from the service's own SQLite database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RunningService:
+    def __init__(self, folder: Path, **settings: str) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.database = folder / "monitor.db"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
+        self.env.update(
+            {
+                "COLLAPSE_MONITOR_DATABASE_URL": f"sqlite:///{self.database}",
+                "COLLAPSE_MONITOR_DATA_DIR": str(folder / "data"),
+                "COLLAPSE_MONITOR_CACHE_DIR": str(folder / "cache"),
+                "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
+                "COLLAPSE_MONITOR_WORKER_POLL_SECONDS": "0.1",
+                **{f"COLLAPSE_MONITOR_{k.upper()}": v for k, v in settings.items()},
+            }
+        )
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self, timeout: float = 180.0) -> None:
+        self.starts += 1
+        with open(self.folder / f"serve-{self.starts}.log", "wb") as log:
+            self.process = subprocess.Popen(
+                [str(BIN / "collapse-monitor"), "serve", "--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"the service exited with {self.process.returncode}: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the service at {self.url} was not ready after {timeout}s: {self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL: the service vanishes mid-whatever, as a crashed or preempted host does."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return "".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.folder.glob("serve-*.log")))
+
+    def batches(self, run: str) -> list[tuple[int, str]]:
+        """(step, client batch id) of every batch the run holds, in the order they were stored."""
+        with sqlite3.connect(self.database) as db:
+            return list(
+                db.execute(
+                    "SELECT b.step, b.client_batch_id FROM batches b JOIN runs r ON r.id = b.run_id "
+                    "WHERE r.name = ? ORDER BY b.rowid",
+                    (run,),
+                )
+            )
+
+    def payloads(self, run: str) -> list[dict]:
+        """The request bodies of the run's batches as stored, in stored order."""
+        with sqlite3.connect(self.database) as db:
+            rows = db.execute(
+                "SELECT b.payload FROM batches b JOIN runs r ON r.id = b.run_id WHERE r.name = ? ORDER BY b.rowid",
+                (run,),
+            )
+            return [json.loads(payload) for (payload,) in rows]
+
+    def wait_until_processed(self, run: str, n_batches: int, timeout: float = 120.0) -> None:
+        """Waits until the worker has finished (done or failed) ``n_batches`` batches of ``run``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with sqlite3.connect(self.database) as db:
+                [(finished,)] = db.execute(
+                    "SELECT COUNT(*) FROM batches b JOIN runs r ON r.id = b.run_id "
+                    "WHERE r.name = ? AND b.status IN ('done', 'failed')",
+                    (run,),
+                )
+            if finished >= n_batches:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{run}: fewer than {n_batches} batches processed after {timeout}s")
+
+    def checkpoint_of_batches(self, run: str) -> list[tuple[int, str | None]]:
+        """(step, path of the checkpoint the batch will be scored with) in stored order."""
+        with sqlite3.connect(self.database) as db:
+            return list(
+                db.execute(
+                    "SELECT b.step, c.path FROM batches b JOIN runs r ON r.id = b.run_id "
+                    "LEFT JOIN checkpoints c ON c.id = b.checkpoint_id WHERE r.name = ? ORDER BY b.rowid",
+                    (run,),
+                )
+            )
+
+    def checkpoints(self, run: str) -> list[tuple[str, str, int | None]]:
+        with sqlite3.connect(self.database) as db:
+            return list(
+                db.execute(
+                    "SELECT c.path, c.kind, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+                    "WHERE r.name = ? ORDER BY c.id",
+                    (run,),
+                )
+            )

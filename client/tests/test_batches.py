@@ -1,0 +1,151 @@
+"""Batches: normalisation, client-side sampling and the content-derived idempotency key."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices
+
+
+class IdTensor:
+    """Stands for a tensor or array: anything with tolist()."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values = values
+
+    def tolist(self) -> list[int]:
+        return list(self.values)
+
+
+def test_single_turn_shorthand_becomes_one_turn_and_unknown_keys_pass_through():
+    [out] = normalize([{"group_id": 3, "reward": 1, "prompt": "p", "response": "r", "future_field": "x"}])
+    assert out == {"group_id": 3, "reward": 1.0, "future_field": "x", "turns": [{"prompt": "p", "response": "r"}]}
+
+
+def test_multi_turn_trajectories_keep_their_turns_in_order_with_token_ids_as_plain_lists():
+    [out] = normalize(
+        [
+            {
+                "group_id": 0,
+                "reward": 0.5,
+                "turns": [
+                    {"prompt_token_ids": IdTensor([1, 2]), "reasoning_token_ids": (3, 4)},
+                    {"prompt": "again", "reasoning": "think", "token_entropies": [0.5, 1]},
+                ],
+            }
+        ]
+    )
+    assert out["turns"] == [
+        {"prompt_token_ids": [1, 2], "reasoning_token_ids": [3, 4]},
+        {"prompt": "again", "reasoning": "think", "token_entropies": [0.5, 1.0]},
+    ]
+
+
+@pytest.mark.parametrize("missing", [None, math.nan, math.inf, -math.inf])
+def test_missing_rewards_travel_as_null(missing):
+    rows = normalize([{"group_id": 0, "reward": missing, "prompt": "p", "response": "r"}])
+    assert rows[0]["reward"] is None
+    assert json.loads(encode("run", 1, rows)[1])["trajectories"][0]["reward"] is None
+
+
+def test_a_trajectory_without_a_reward_is_sent_with_a_missing_reward():
+    assert normalize([{"group_id": 0, "prompt": "p", "response": "r"}])[0]["reward"] is None
+
+
+def test_string_group_ids_are_numbered_in_order_of_first_appearance():
+    rows = normalize([{"group_id": u, "reward": 0, "prompt": "p", "response": "r"} for u in ["b", "a", "b", "c"]])
+    assert [r["group_id"] for r in rows] == [0, 1, 0, 2]
+
+
+def test_without_group_ids_identical_prompts_form_one_group():
+    rows = normalize([{"reward": 0, "prompt": p, "response": "r"} for p in ["x", "y", "x"]])
+    assert [r["group_id"] for r in rows] == [0, 1, 0]
+
+
+@pytest.mark.parametrize(
+    ("trajectories", "message"),
+    [
+        ([], "at least one trajectory"),
+        ({"group_id": 0}, "must be a sequence of mappings"),
+        (["text"], r"trajectories\[0\] must be a mapping, got str"),
+        ([{"group_id": 0, "reward": 0, "response": "r"}], r"trajectories\[0\]\.turns\[0\] needs a prompt"),
+        ([{"group_id": 0, "reward": 0, "prompt": "p"}], r"turns\[0\] needs a response"),
+        ([{"group_id": 0, "reward": 0, "turns": []}], r"trajectories\[0\]\.turns must be a non-empty list"),
+        ([{"group_id": 0, "reward": "high", "prompt": "p", "response": "r"}], r"reward must be a number or None"),
+        ([{"group_id": 0, "reward": 0, "prompt": 7, "response": "r"}], r"prompt must be a string, got int"),
+        (
+            [{"group_id": 0, "reward": 0, "prompt": "p", "reasoning_token_ids": ["a"]}],
+            r"reasoning_token_ids must hold integers",
+        ),
+        (
+            [{"group_id": 0, "reward": 0, "prompt": "p", "response": "r", "token_entropies": [math.nan]}],
+            r"token_entropies must be finite",
+        ),
+    ],
+)
+def test_malformed_trajectories_are_named(trajectories, message):
+    with pytest.raises(TrajectoryError, match=message):
+        normalize(trajectories)
+
+
+def test_the_batch_key_is_the_same_for_the_same_content_and_differs_for_other_content():
+    rows = normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}])
+    key, body = encode("grpo-1", 7, rows)
+    again, body_again = encode("grpo-1", 7, normalize([{"response": "r", "prompt": "p", "reward": 1.0, "group": 0}]))
+    other, _ = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 0, "prompt": "p", "response": "r"}]))
+    assert key == again
+    assert body == body_again
+    assert key.startswith("grpo-1-7-")
+    assert len(key) == len("grpo-1-7-") + 16
+    assert other != key
+    assert json.loads(body) == {"idempotency_key": key, "step": 7, "trajectories": rows}
+
+
+def test_an_explicit_idempotency_key_overrides_the_content_key():
+    key, body = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}]), "mine")
+    assert key == "mine"
+    assert json.loads(body)["idempotency_key"] == "mine"
+
+
+def test_text_that_utf8_cannot_hold_is_sent_as_a_json_escape():
+    rows = normalize([{"group_id": 0, "reward": 1, "prompt": "caf\u00e9 \ud800", "response": "r"}])
+    _, body = encode("run", 1, rows)
+    assert json.loads(body)["trajectories"][0]["turns"][0]["prompt"] == "caf\u00e9 \ud800"
+
+
+def groups(n_groups: int, per_group: int) -> list[int]:
+    return [g for g in range(n_groups) for _ in range(per_group)]
+
+
+def test_without_limits_every_row_is_kept():
+    assert sample_indices(groups(5, 4), max_groups=None, max_rows=None, seed=0, step=3) == list(range(20))
+
+
+def test_max_groups_keeps_whole_groups_and_is_the_same_draw_for_the_same_step():
+    ids = groups(10, 4)
+    kept = sample_indices(ids, max_groups=3, max_rows=None, seed=0, step=5)
+    assert kept == sorted(kept)
+    kept_groups = {ids[i] for i in kept}
+    assert len(kept_groups) == 3
+    assert kept == [i for i, g in enumerate(ids) if g in kept_groups]
+    assert kept == sample_indices(ids, max_groups=3, max_rows=None, seed=0, step=5)
+    draws = {tuple(sample_indices(ids, max_groups=3, max_rows=None, seed=0, step=s)) for s in range(20)}
+    assert len(draws) > 1  # other steps draw other groups
+
+
+def test_max_rows_keeps_whole_groups_that_fit():
+    ids = [0, 0, 0, 1, 1, 2, 2, 2, 2]
+    for step in range(10):
+        kept = sample_indices(ids, max_groups=None, max_rows=5, seed=1, step=step)
+        assert len(kept) <= 5
+        for g in {ids[i] for i in kept}:
+            assert [i for i in kept if ids[i] == g] == [i for i, h in enumerate(ids) if h == g]
+
+
+def test_a_group_larger_than_max_rows_is_subsampled():
+    kept = sample_indices([0] * 10, max_groups=None, max_rows=4, seed=0, step=1)
+    assert len(kept) == 4
+    assert len(set(kept)) == 4

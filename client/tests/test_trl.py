@@ -1,0 +1,197 @@
+"""TRL end to end: a real GRPOTrainer trains a tiny Llama on CPU and feeds a real service.
+
+The policy is the service's own tiny-random Llama (a config and a BPE tokenizer trained on the fly)
+with a chat template, so nothing is downloaded. The trainer records what it generated from
+(``_generate``'s prompt and completion ids) so the test can check what the service received.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+
+import datasets
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from collapse_monitor import Monitor
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+NUM_GENERATIONS = 4
+
+
+def tiny_policy():
+    from scoring.models import build_tiny_random
+
+    model, tokenizer = build_tiny_random(seed=1)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return model, tokenizer
+
+
+def length_reward(completions, completion_ids, **_kwargs):
+    """A number for most completions; None (TRL: could not score) for lengths divisible by 4."""
+    return [None if len(ids) % 4 == 0 else len(c[0]["content"]) / 10 for c, ids in zip(completions, completion_ids)]
+
+
+async def parity_reward(completion_ids, **_kwargs):
+    """An async reward function; None for lengths divisible by 3, so both are None at 12 (the limit)."""
+    return [None if len(ids) % 3 == 0 else float(len(ids) % 2) for ids in completion_ids]
+
+
+WEIGHTS = [1.0, 0.5]
+
+
+def expected_reward(text: str, ids: list[int]) -> float | None:
+    """TRL's total: the weighted sum of the rewards that are not None; None when all are."""
+    length = None if len(ids) % 4 == 0 else len(text) / 10
+    parity = None if len(ids) % 3 == 0 else float(len(ids) % 2)
+    parts = [w * r for w, r in zip(WEIGHTS, [length, parity]) if r is not None]
+    return sum(parts) if parts else None
+
+
+class RecordingGRPOTrainer(GRPOTrainer):  # type: ignore[misc]  # trl is untyped here
+    """Keeps the prompt and completion ids of every generation (what the policy really saw)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated: list[tuple[list, list]] = []
+
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        self.generated.append(([list(p) for p in out[0]], [list(c) for c in out[1]]))
+        return out
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# TRL 1.16's GRPOConfig still sets the name transformers 5.24 deprecated; nothing for us to change.
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("one_thread")
+def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoints(service, run_name, tmp_path):
+    model, tokenizer = tiny_policy()
+    prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
+    output_dir = service.folder / "checkpoints" / run_name
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=12,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        reward_weights=WEIGHTS,
+        dataloader_num_workers=0,
+    )
+    trainer = RecordingGRPOTrainer(
+        model=model,
+        reward_funcs=[length_reward, parity_reward],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+    # policy mode: the saved checkpoint is announced; no step is scheduled for scoring, so the
+    # service stays idle while the trainer runs
+    monitor = Monitor(
+        service.url, run_name, spool_dir=tmp_path, scorer_mode="policy", schedule={"every": 1000}, strict=True
+    )
+    from collapse_monitor.integrations.trl import attach
+
+    attach(trainer, monitor)
+    trainer.train()
+    assert monitor.flush(60)
+
+    batches = service.payloads(run_name)
+    assert [b["step"] for b in batches] == [1, 2, 3]
+    assert len(trainer.generated) == 3
+    for batch, (prompt_ids, completion_ids) in zip(batches, trainer.generated):
+        sent = batch["trajectories"]
+        assert len(sent) == 8
+        assert [t["group_id"] for t in sent] == [i // NUM_GENERATIONS for i in range(8)]
+        for t, p_ids, c_ids in zip(sent, prompt_ids, completion_ids):
+            [turn] = t["turns"]
+            # the prompt text tokenizes to exactly the ids the trainer generated from
+            assert tokenizer(turn["prompt"], add_special_tokens=False)["input_ids"] == p_ids
+            text = tokenizer.decode(c_ids, skip_special_tokens=True)
+            assert turn["response"] == text
+            expected = expected_reward(text, c_ids)
+            assert (t["reward"] is None) == (expected is None)
+            if expected is not None:
+                assert math.isclose(t["reward"], expected, rel_tol=1e-6)
+        # one prompt per group, NUM_GENERATIONS completions each
+        assert len({t["turns"][0]["prompt"] for t in sent}) == 2
+
+    rewards = [t["reward"] for b in batches for t in b["trajectories"]]
+    assert None in rewards  # sent as null, and the service took them
+    saved = [(str(output_dir / f"checkpoint-{step}"), "full", step) for step in (2, 3)]  # save_steps, last step
+    assert service.checkpoints(run_name) == saved
+    assert service.checkpoint_of_batches(run_name) == [(1, None), (2, None), (3, saved[0][0])]
+    stats = monitor.stats()
+    assert (stats.sent, stats.rejected, stats.checkpoints_sent) == (3, 0, 2)
+    monitor.close()
+    stop_async_loop(trainer)
+
+
+def stop_async_loop(trainer) -> None:
+    """TRL runs async reward functions on an event loop it stops at exit but never closes."""
+    from trl.trainer.utils import shutdown_event_loop_in_daemon
+
+    shutdown_event_loop_in_daemon(trainer.async_loop_thread, trainer.async_loop)
+    trainer.async_loop.close()
+    atexit.unregister(shutdown_event_loop_in_daemon)
+
+
+def test_with_two_processes_the_main_process_sends_each_step_once_with_groups_across_ranks(service, run_name, tmp_path):
+    """torchrun, two CPU processes (gloo): every rank gathers its shard, rank 0 sends."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "URL": service.url,
+        "RUN": run_name,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore::FutureWarning",
+    }
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(here / "trl_two_processes.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(line for line in run.stdout.splitlines() if line.startswith("rank")) == [
+        "rank 0 sent 2",
+        "rank 1 sent 0",
+    ]
+    batches = service.payloads(run_name)
+    assert [b["step"] for b in batches] == [1, 2]
+    for batch in batches:
+        sent = batch["trajectories"]
+        assert [t["group_id"] for t in sent] == [0, 0, 0, 0, 1, 1, 1, 1]
+        prompts = [t["turns"][0]["prompt"] for t in sent]
+        # each group is one prompt's num_generations completions, although each rank held half of them
+        assert len(set(prompts[:4])) == 1
+        assert len(set(prompts[4:])) == 1
+        assert prompts[0] != prompts[4]
