@@ -11,7 +11,7 @@ from scoring.estimators import prompt_posterior
 from scoring.partition import split_turn
 from service.api.deps import State
 from service.errors import NotFound
-from service.schemas import BatchIn, MatrixResponse, PromptDetail
+from service.schemas import INT32_MAX, BatchIn, MatrixResponse, PromptDetail
 from service.storage import matrices, queries
 from service.storage.tables import Batch, Run, ScoreMatrix
 
@@ -24,8 +24,10 @@ EXCERPT_CHARS = 400
 def step_matrix(
     state: State,
     run: str,
-    sampler: Annotated[str | None, Query(description="The sampler; the run's first with a stored matrix.")] = None,
-    step: Annotated[int | None, Query(ge=0, description="A scored step; the newest when absent.")] = None,
+    sampler: Annotated[
+        str | None, Query(max_length=32, description="The sampler; the run's first with a stored matrix.")
+    ] = None,
+    step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="A scored step; the newest when absent.")] = None,
 ) -> MatrixResponse:
     """The cross-scoring matrix of one scored step, rows grouped by prompt, with the per-prompt breakdown."""
     with state.sessions() as session:
