@@ -21,19 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-import numpy as np
-
-BIN = Path(sys.executable).parent
+from serving import percentiles, served
 
 
 def batch(step: int) -> list[dict[str, Any]]:
@@ -58,15 +53,6 @@ def batch(step: int) -> list[dict[str, Any]]:
     ]
 
 
-def percentiles(seconds: list[float]) -> dict[str, float]:
-    ms = np.array(seconds) * 1000
-    return {
-        "p50_ms": round(float(np.percentile(ms, 50)), 3),
-        "p99_ms": round(float(np.percentile(ms, 99)), 3),
-        "max_ms": round(float(ms.max()), 3),
-    }
-
-
 def measure_log(url: str, calls: int, spool: Path) -> dict[str, Any]:
     from collapse_monitor import Monitor
 
@@ -87,7 +73,7 @@ def measure_log(url: str, calls: int, spool: Path) -> dict[str, Any]:
     return {
         "trajectories_per_batch": 64,
         "calls": calls,
-        "log": percentiles(latencies),
+        "log": percentiles(latencies, digits=3),
         "delivered": delivered,
         "sent": stats.sent,
         "spilled": stats.spilled,
@@ -179,40 +165,8 @@ def measure_trl(url: str, steps: int, rounds: int, folder: Path) -> dict[str, An
         "step_seconds_without": round(statistics.median(plain), 4),
         "step_seconds_with": round(statistics.median(monitored), 4),
         "step_time_ratio": round(statistics.median(monitored) / statistics.median(plain), 4),
-        "integration_ms_per_step": percentiles(integration_seconds),
+        "integration_ms_per_step": percentiles(integration_seconds, digits=3),
     }
-
-
-def serve(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-    env |= {
-        "COLLAPSE_MONITOR_DATABASE_URL": f"sqlite:///{folder / 'bench.db'}",
-        "COLLAPSE_MONITOR_DATA_DIR": str(folder),
-        "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
-        "COLLAPSE_MONITOR_SCORING_PAUSED": "true",
-        "COLLAPSE_MONITOR_MAX_QUEUE_DEPTH": "1000000",
-    }
-    process = subprocess.Popen(
-        [str(BIN / "collapse-monitor"), "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(1800):
-        try:
-            if httpx.get(f"{base}/readyz").status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the server did not start")
 
 
 def main() -> None:
@@ -223,13 +177,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        process, url = serve(folder)
-        try:
+        settings = {
+            "DATABASE_URL": f"sqlite:///{folder / 'bench.db'}",
+            "DATA_DIR": str(folder),
+            "DEFAULT_SCORER": "tiny-random",
+            "SCORING_PAUSED": "true",
+            "MAX_QUEUE_DEPTH": "1000000",
+        }
+        with served(settings) as url:
             result = {"log": measure_log(url, args.log_calls, folder / "spool")}
             result["trl"] = measure_trl(url, args.trl_steps, args.rounds, folder)
-        finally:
-            process.terminate()
-            process.wait()
     print(json.dumps(result))
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,10 +27,10 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from serving import percentiles, served
 from sqlalchemy import create_engine, text
 
 PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-BIN = Path(sys.executable).parent
 JSON = {"content-type": "application/json"}
 
 
@@ -50,11 +48,6 @@ def batch(step: int) -> dict:
             turns.append({"prompt": prompt, "response": response})
         trajectories.append({"group_id": t // 8, "reward": float(t % 2), "turns": turns})
     return {"step": step, "batch_id": f"bench-{step}", "trajectories": trajectories}
-
-
-def percentiles(latencies: list[float]) -> dict[str, float]:
-    ms = np.array(latencies) * 1000
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
 
 
 def measure(base: str, requests: int) -> dict:
@@ -186,36 +179,6 @@ def scoring_throughput(base: str, clients: int, batches: int = 12) -> dict:
     }
 
 
-def serve(database_url: str, data_dir: Path, scoring: bool = False) -> tuple[subprocess.Popen[bytes], str]:
-    port = 8700 + os.getpid() % 200
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-    env |= {
-        "COLLAPSE_MONITOR_DATABASE_URL": database_url,
-        "COLLAPSE_MONITOR_DATA_DIR": str(data_dir),
-        "COLLAPSE_MONITOR_SCORING_PAUSED": "false" if scoring else "true",
-        "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
-        "COLLAPSE_MONITOR_MAX_QUEUE_DEPTH": "1000000",
-        "COLLAPSE_MONITOR_MAX_QUEUED_PER_RUN": "1000000",
-        "COLLAPSE_MONITOR_RATE_LIMIT_PER_SECOND": "0",
-    }
-    process = subprocess.Popen(
-        [str(BIN / "collapse-monitor"), "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{base}/readyz").status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the server did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=300)
@@ -234,18 +197,26 @@ def main() -> None:
                 url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
             else:
                 url = f"sqlite:///{Path(tmp) / 'bench.db'}"
-            process, base = serve(url, Path(tmp), scoring=args.scoring_under_load is not None)
+            settings = {
+                "DATABASE_URL": url,
+                "DATA_DIR": tmp,
+                "SCORING_PAUSED": "false" if args.scoring_under_load is not None else "true",
+                "DEFAULT_SCORER": "tiny-random",
+                "MAX_QUEUE_DEPTH": "1000000",
+                "MAX_QUEUED_PER_RUN": "1000000",
+                "RATE_LIMIT_PER_SECOND": "0",
+            }
             try:
-                if args.scoring_under_load is not None:
-                    print(json.dumps({"backend": backend, **scoring_throughput(base, args.scoring_under_load)}))
-                elif args.clients:
-                    for clients in (int(n) for n in args.clients.split(",")):
-                        print(json.dumps({"backend": backend, **concurrent(base, clients, args.requests, args.rate)}))
-                else:
-                    print(json.dumps({"backend": backend, **measure(base, args.requests)}))
+                with served(settings) as base:
+                    if args.scoring_under_load is not None:
+                        print(json.dumps({"backend": backend, **scoring_throughput(base, args.scoring_under_load)}))
+                    elif args.clients:
+                        for clients in (int(n) for n in args.clients.split(",")):
+                            result = concurrent(base, clients, args.requests, args.rate)
+                            print(json.dumps({"backend": backend, **result}))
+                    else:
+                        print(json.dumps({"backend": backend, **measure(base, args.requests)}))
             finally:
-                process.terminate()
-                process.wait()
                 if backend == "postgres":
                     with admin.connect() as connection:
                         connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))

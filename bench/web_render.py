@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,12 +29,13 @@ from sqlalchemy import create_engine, insert, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from serving import served
+
 from service.storage.database import migrate
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, ScoreMatrix, utcnow
 from tests.e2e.browser import chromium_missing, launched
 
 PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-BIN = Path(sys.executable).parent
 SAMPLER_SERIES = (
     "mi_estimate",
     "mi_estimate_ci_low",
@@ -248,29 +248,13 @@ def main() -> None:
 
 
 def measure(url: str, tmp: str, args: argparse.Namespace) -> dict:
-    port = 20_000 + os.getpid() % 20_000
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-    env |= {
-        "COLLAPSE_MONITOR_DATABASE_URL": url,
-        "COLLAPSE_MONITOR_DATA_DIR": f"{tmp}/data",
-        "COLLAPSE_MONITOR_SCORING_PAUSED": "true",
-        "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
+    settings = {
+        "DATABASE_URL": url,
+        "DATA_DIR": f"{tmp}/data",
+        "SCORING_PAUSED": "true",
+        "DEFAULT_SCORER": "tiny-random",
     }
-    server = subprocess.Popen(
-        [str(BIN / "collapse-monitor"), "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with served(settings) as base:
         with launched() as browser:
             run_ms = timed_loads(browser, f"{base}/runs/long-run", args.loads, "svg.heatmap rect.cell")
             runs_ms = timed_loads(browser, f"{base}/", args.loads, "#runs tbody tr")
@@ -278,9 +262,6 @@ def measure(url: str, tmp: str, args: argparse.Namespace) -> dict:
             f"{base}/v1/runs/long-run/metrics", params={"format": "columns", "limit": 1_000_000}, timeout=60
         ).json()
         overview = httpx.get(f"{base}/v1/overview", timeout=60).json()
-    finally:
-        server.terminate()
-        server.wait()
     return {
         "backend": args.backend,
         "load_average_1min": round(os.getloadavg()[0], 1),

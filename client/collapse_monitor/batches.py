@@ -76,8 +76,10 @@ def _turn(turn: Any, where: str) -> dict[str, Any]:
     if not any(k in out for k in ("response", "reasoning", "reasoning_token_ids")):
         raise TrajectoryError(f"{where} needs a response, a reasoning or reasoning_token_ids")
     for key in TEXT_KEYS:
-        if key in out and not isinstance(out[key], str):
-            raise TrajectoryError(f"{where}.{key} must be a string, got {type(out[key]).__name__}")
+        if key in out:
+            if not isinstance(out[key], str):
+                raise TrajectoryError(f"{where}.{key} must be a string, got {type(out[key]).__name__}")
+            out[key] = _storable(out[key])
     for key in TOKEN_ID_KEYS:
         if key in out:
             out[key] = _token_ids(out[key], f"{where}.{key}")
@@ -88,6 +90,23 @@ def _turn(turn: Any, where: str) -> dict[str, Any]:
             raise TrajectoryError(f"{where}.token_entropies must be finite numbers")
         out["token_entropies"] = entropies
     return out
+
+
+def _storable(text: str) -> str:
+    """``text`` with NUL characters and lone surrogates replaced by U+FFFD.
+
+    A sampled response can hold either (a policy emitting token 0, undecodable bytes a tokenizer let
+    through); no database stores them as text and the service refuses them, which would lose the
+    whole step. One replaced character barely moves a sequence's score.
+    """
+    if "\x00" in text:
+        text = text.replace("\x00", "\ufffd")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        # Paired surrogates become their character again; lone ones become U+FFFD.
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 def _as_list(values: Any) -> Any:

@@ -25,6 +25,11 @@ def test_single_turn_shorthand_becomes_one_turn_and_unknown_keys_pass_through():
     assert out == {"group_id": 3, "reward": 1.0, "future_field": "x", "turns": [{"prompt": "p", "response": "r"}]}
 
 
+def test_nul_characters_and_lone_surrogates_become_replacement_characters_paired_surrogates_join():
+    [out] = normalize([{"group_id": 0, "reward": 1, "prompt": "a\x00b", "response": "x\ud800y \ud83d\ude00"}])
+    assert out["turns"] == [{"prompt": "a\ufffdb", "response": "x\ufffdy \U0001f600"}]
+
+
 def test_multi_turn_trajectories_keep_their_turns_in_order_with_token_ids_as_plain_lists():
     [out] = normalize(
         [

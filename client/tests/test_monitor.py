@@ -102,6 +102,17 @@ def test_a_refused_batch_is_kept_with_the_reason_and_later_steps_still_arrive(se
     monitor.close()
 
 
+def test_text_no_database_can_store_still_arrives(service, run_name, tmp_path):
+    # A policy can emit token 0 or undecodable bytes: the step must not be lost for one character.
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path)
+    odd = [dict(t, response=t["response"] + "\x00 \udc80") for t in trajectories(1)]
+    monitor.log(1, odd)
+    assert monitor.flush(30)
+    assert (monitor.stats().sent, monitor.stats().rejected) == (1, 0)
+    assert [step for step, _ in service.batches(run_name)] == [1]
+    monitor.close()
+
+
 def test_malformed_input_never_raises_by_default_and_is_counted(service, run_name, tmp_path, caplog):
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path)
     with caplog.at_level(logging.ERROR, logger="collapse_monitor"):

@@ -1,0 +1,69 @@
+"""The pieces every benchmark shares: a ``collapse-monitor serve`` process and latency percentiles."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def served(settings: dict[str, str], ready_seconds: float = 180) -> Iterator[str]:
+    """Runs ``collapse-monitor serve`` on a free loopback port and yields its base URL once ready.
+
+    ``settings`` are ``COLLAPSE_MONITOR_*`` variables without the prefix (``{"DATABASE_URL": ...}``);
+    the caller's own ``COLLAPSE_MONITOR_*`` variables are dropped, so a benchmark measures what it says.
+    """
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
+    env |= {f"COLLAPSE_MONITOR_{name}": value for name, value in settings.items()}
+    process = subprocess.Popen(
+        [str(BIN / "collapse-monitor"), "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_seconds
+        while not _ready(base):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"collapse-monitor serve did not become ready (exit code {process.poll()})")
+            time.sleep(0.1)
+        yield base
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/readyz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def percentiles(seconds: Sequence[float], digits: int = 2) -> dict[str, float]:
+    """p50, p99 and max of durations given in seconds, in milliseconds."""
+    ms = np.asarray(seconds) * 1000
+    return {
+        "p50_ms": round(float(np.percentile(ms, 50)), digits),
+        "p99_ms": round(float(np.percentile(ms, 99)), digits),
+        "max_ms": round(float(ms.max()), digits),
+    }
