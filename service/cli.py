@@ -28,7 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, get_args
@@ -197,14 +198,19 @@ def _database_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=Path, help="folder of the embedded SQLite database (default ./data)")
 
 
-def _sessions(args: argparse.Namespace) -> Any:
+@contextmanager
+def _sessions(args: argparse.Namespace) -> Iterator[Any]:
     """Sessions of the database the flags and settings name, migrated first when auto_migrate is on."""
     from service.storage.database import make_engine, make_sessions, migrate
 
     settings = service_settings(args)
     if settings.auto_migrate:
         migrate(settings.resolved_database_url)
-    return make_sessions(make_engine(settings.resolved_database_url))
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        yield make_sessions(engine)
+    finally:
+        engine.dispose()
 
 
 def _token_document(token: Any) -> dict[str, Any]:
@@ -226,7 +232,7 @@ def _run_tokens_create(args: argparse.Namespace) -> Any:
 
     if args.run_prefix and args.scope != "ingest":
         raise UsageError(f"--run-prefix: only ingest tokens are limited to a run prefix, not {args.scope} tokens")
-    with _sessions(args).begin() as session:
+    with _sessions(args) as sessions, sessions.begin() as session:
         issued = issue_token(session, args.scope, args.run_prefix, args.name)
     print("Keep this token now: it is not shown again (only its hash is stored).", file=sys.stderr)
     return {
@@ -241,14 +247,14 @@ def _run_tokens_create(args: argparse.Namespace) -> Any:
 def _run_tokens_list(args: argparse.Namespace) -> Any:
     from service.storage import tokens
 
-    with _sessions(args)() as session:
+    with _sessions(args) as sessions, sessions() as session:
         return [_token_document(t) for t in tokens.list_tokens(session)]
 
 
 def _run_tokens_revoke(args: argparse.Namespace) -> Any:
     from service.storage import tokens
 
-    with _sessions(args).begin() as session:
+    with _sessions(args) as sessions, sessions.begin() as session:
         token = tokens.revoke_token(session, args.id)
         if token is None:
             raise UsageError(f"tokens revoke: no token has id {args.id} (see `collapse-monitor tokens list`)")
@@ -272,7 +278,8 @@ def _run_purge(args: argparse.Namespace) -> Any:
         raise UsageError("purge: give --older-than-days N, or set payload_retention_days")
     if days < 0:
         raise UsageError(f"--older-than-days must be at least 0, got {days:g}")
-    purged = purge(_sessions(args), days)
+    with _sessions(args) as sessions:
+        purged = purge(sessions, days)
     return {"batches": purged.batches, "matrices": purged.matrices, "created_before": purged.before.isoformat()}
 
 
