@@ -44,11 +44,12 @@ def rows_per_table(url: str, run_name: str) -> dict[str, int]:
     counts = {}
     with engine.connect() as connection:
         run_id = connection.execute(select(Run.id).where(Run.name == run_name)).scalar()
-        for table in OWNED:
-            if table is AlertDelivery:
-                owner = AlertDelivery.alert_id.in_(select(Alert.id).where(Alert.run_id == run_id))
-            else:
-                owner = (table.id if table is Run else table.run_id) == run_id
+        owners = {
+            Run: Run.id == run_id,
+            AlertDelivery: AlertDelivery.alert_id.in_(select(Alert.id).where(Alert.run_id == run_id)),
+            **{table: table.run_id == run_id for table in OWNED if table not in (Run, AlertDelivery)},  # type: ignore[union-attr]  # every other owned table has run_id
+        }
+        for table, owner in owners.items():
             counts[table.__tablename__] = connection.execute(select(func.count()).where(owner)).scalar_one()
     engine.dispose()
     return counts
@@ -138,7 +139,7 @@ def batches_of(url: str, run: str) -> dict[str, tuple[str, str]]:
             .where(Run.name == run)
         ).all()
     engine.dispose()
-    return {key: (batch_id, payload) for key, batch_id, payload in rows}
+    return {str(key): (batch_id, payload) for key, batch_id, payload in rows}
 
 
 def backdate_batches(url: str, days: float) -> None:
