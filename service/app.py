@@ -19,12 +19,14 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
+from service.access import TokenCache
 from service.alert_delivery import Dispatcher
 from service.api import alerts, batches, matrices, overview, pages, runs, system
 from service.api.middleware import BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
 from service.background import start_in_thread
 from service.errors import MonitorError, field_path, rejection_reasons
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.retention import Purger
 from service.settings import Settings
 from service.state import AppState
 from service.storage import queries
@@ -60,6 +62,7 @@ def create_app(settings: Settings) -> FastAPI:
             sessions=sessions,
             registry=registry,
             metrics=ServiceMetrics(registry, rejection_reasons()),
+            tokens=TokenCache(sessions, settings.token_cache_seconds),
         )
         registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
         app.state.monitor = state
@@ -68,6 +71,9 @@ def create_app(settings: Settings) -> FastAPI:
             threads.append(_start_embedded_worker(state))
         http = httpx.Client()
         threads.append(start_in_thread(Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts"))
+        if settings.payload_retention_days is not None:
+            purger = Purger(sessions, settings.payload_retention_days)
+            threads.append(start_in_thread(purger.run, "collapse-monitor-retention"))
         try:
             yield
         finally:
@@ -125,9 +131,7 @@ def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading
 
 async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:
     request.app.state.monitor.metrics.rejections.labels(error.code).inc()
-    retry_after = getattr(error, "retry_after", None)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

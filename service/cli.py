@@ -10,6 +10,10 @@
                                                  a scoring worker process sharing the database
     collapse-monitor migrate [--database-url URL] [--revision REV]
                                                  bring the database schema to REV (default head), then exit
+    collapse-monitor tokens  create --scope ingest|read|admin [--run-prefix P] [--name N] | list | revoke ID
+                                                 API tokens (create prints the secret once)
+    collapse-monitor purge   [--older-than-days N] [--database-url URL]
+                                                 purge stored payloads of finished batches older than N days
     collapse-monitor demo    [--url URL] [--steps N]
                                                  feed a running server a simulated run that collapses
     collapse-monitor dashboards push --url URL --token TOKEN
@@ -24,7 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar, get_args
@@ -109,6 +114,11 @@ def _build_parser() -> _Parser:
     _service_flags(serve)
     serve.add_argument("--no-worker", action="store_true", help="do not score in this process")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    serve.add_argument(
+        "--allow-insecure-bind",
+        action="store_true",
+        help="serve a non-loopback --host although no API token exists (anyone reaching the port can write)",
+    )
     serve.set_defaults(command=_run_serve)
 
     worker = commands.add_parser("worker", help="run a scoring worker against the shared database")
@@ -120,6 +130,29 @@ def _build_parser() -> _Parser:
     migrate.add_argument("--data-dir", type=Path, help="folder of the embedded SQLite database (default ./data)")
     migrate.add_argument("--revision", default="head", help="head (default), base, or a revision id to go back to")
     migrate.set_defaults(command=_run_migrate)
+
+    tokens = commands.add_parser("tokens", help="API tokens: create, list, revoke")
+    token_commands = tokens.add_subparsers(required=True, metavar="ACTION", parser_class=_Parser)
+    create = token_commands.add_parser("create", help="create a token and print it (once: only its hash is kept)")
+    create.add_argument("--scope", required=True, choices=["ingest", "read", "admin"], help="what it may do")
+    create.add_argument("--run-prefix", default="", help="ingest: the runs it may write start with this (default any)")
+    create.add_argument("--name", help="who or what holds it (shown by list)")
+    _database_flags(create)
+    create.set_defaults(command=_run_tokens_create)
+    listing = token_commands.add_parser("list", help="every token, revoked ones included (never the secrets)")
+    _database_flags(listing)
+    listing.set_defaults(command=_run_tokens_list)
+    revoke = token_commands.add_parser("revoke", help="revoke a token (API processes notice within seconds)")
+    revoke.add_argument("id", type=int, help="the token's id (tokens list)")
+    _database_flags(revoke)
+    revoke.set_defaults(command=_run_tokens_revoke)
+
+    purge = commands.add_parser("purge", help="purge stored payloads of finished batches older than N days")
+    purge.add_argument(
+        "--older-than-days", type=float, help="age in days (default: the payload_retention_days setting)"
+    )
+    _database_flags(purge)
+    purge.set_defaults(command=_run_purge)
 
     demo = commands.add_parser("demo", help="feed a running server a simulated RL run that falls into collapse")
     demo.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default http://127.0.0.1:8000)")
@@ -160,6 +193,96 @@ def _run_demo(args: argparse.Namespace) -> Any:
     return None
 
 
+def _database_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite in the data folder)")
+    parser.add_argument("--data-dir", type=Path, help="folder of the embedded SQLite database (default ./data)")
+
+
+@contextmanager
+def _sessions(args: argparse.Namespace) -> Iterator[Any]:
+    """Sessions of the database the flags and settings name, migrated first when auto_migrate is on."""
+    from service.storage.database import make_engine, make_sessions, migrate
+
+    settings = service_settings(args)
+    if settings.auto_migrate:
+        migrate(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        yield make_sessions(engine)
+    finally:
+        engine.dispose()
+
+
+def _token_document(token: Any) -> dict[str, Any]:
+    from service.storage.tables import iso_time
+
+    return {
+        "id": token.id,
+        "name": token.name,
+        "scope": token.scope,
+        "run_prefix": token.run_prefix,
+        "hint": token.hint,
+        "created_at": iso_time(token.created_at),
+        "revoked_at": iso_time(token.revoked_at),
+    }
+
+
+def _run_tokens_create(args: argparse.Namespace) -> Any:
+    from service.access import issue_token
+
+    if args.run_prefix and args.scope != "ingest":
+        raise UsageError(f"--run-prefix: only ingest tokens are limited to a run prefix, not {args.scope} tokens")
+    with _sessions(args) as sessions, sessions.begin() as session:
+        issued = issue_token(session, args.scope, args.run_prefix, args.name)
+    print("Keep this token now: it is not shown again (only its hash is stored).", file=sys.stderr)
+    return {
+        "id": issued.token.id,
+        "name": issued.token.name,
+        "scope": issued.token.scope,
+        "run_prefix": issued.token.run_prefix,
+        "token": issued.secret,
+    }
+
+
+def _run_tokens_list(args: argparse.Namespace) -> Any:
+    from service.storage import tokens
+
+    with _sessions(args) as sessions, sessions() as session:
+        return [_token_document(t) for t in tokens.list_tokens(session)]
+
+
+def _run_tokens_revoke(args: argparse.Namespace) -> Any:
+    from service.storage import tokens
+
+    with _sessions(args) as sessions, sessions.begin() as session:
+        token = tokens.revoke_token(session, args.id)
+        if token is None:
+            raise UsageError(f"tokens revoke: no token has id {args.id} (see `collapse-monitor tokens list`)")
+        document = _token_document(token)
+        left = tokens.active_token_count(session)
+    if left == 0:
+        print(
+            "warning: no unrevoked token is left, so writes need no token any more; create the new token "
+            "before revoking the old one",
+            file=sys.stderr,
+        )
+    return document
+
+
+def _run_purge(args: argparse.Namespace) -> Any:
+    from service.retention import purge
+
+    settings = service_settings(args)
+    days = args.older_than_days if args.older_than_days is not None else settings.payload_retention_days
+    if days is None:
+        raise UsageError("purge: give --older-than-days N, or set payload_retention_days")
+    if days < 0:
+        raise UsageError(f"--older-than-days must be at least 0, got {days:g}")
+    with _sessions(args) as sessions:
+        purged = purge(sessions, days)
+    return {"batches": purged.batches, "matrices": purged.matrices, "created_before": purged.before.isoformat()}
+
+
 def _service_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--database-url", help="SQLAlchemy URL (default: SQLite in the data folder)")
     parser.add_argument(
@@ -182,6 +305,8 @@ def service_settings(args: argparse.Namespace) -> Any:
             overrides[flag] = getattr(args, flag)
     if getattr(args, "no_worker", False):
         overrides["embedded_worker"] = False
+    if getattr(args, "allow_insecure_bind", False):
+        overrides["allow_insecure_bind"] = True
     try:
         settings = Settings(**overrides)
         scorer = getattr(args, "scorer", None)
@@ -201,10 +326,49 @@ def _run_serve(args: argparse.Namespace) -> Any:
 
     settings = service_settings(args)
     _configure_logging()
+    _check_bind(settings)
     uvicorn.run(
         create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=args.access_log
     )
     return None
+
+
+def _check_bind(settings: Any) -> None:
+    """Refuses a non-loopback address while no API token exists, unless the operator said it is fine."""
+    import logging
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.access import is_loopback
+    from service.storage import tokens
+    from service.storage.database import make_engine, make_sessions, migrate
+
+    if is_loopback(settings.host):
+        return
+    url = settings.resolved_database_url
+    try:
+        if settings.auto_migrate:
+            migrate(url)
+        engine = make_engine(url)
+        with make_sessions(engine)() as session:
+            active = tokens.active_token_count(session)
+        engine.dispose()
+    except SQLAlchemyError as e:
+        raise UsageError(f"--host {settings.host}: cannot count the API tokens in the database: {e}") from e
+    if active:
+        return
+    if settings.allow_insecure_bind:
+        logging.getLogger("collapse_monitor").warning(
+            "serving %s without any API token (--allow-insecure-bind): anyone who reaches the port can write",
+            settings.host,
+        )
+        return
+    raise UsageError(
+        f"--host {settings.host} is not a loopback address and no API token exists, so anyone who reaches the "
+        "port could write into any run and read it; create a token first (collapse-monitor tokens create "
+        "--scope admin), or pass --allow-insecure-bind (COLLAPSE_MONITOR_ALLOW_INSECURE_BIND=true) on a "
+        "network you trust"
+    )
 
 
 def _run_worker(args: argparse.Namespace) -> Any:

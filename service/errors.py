@@ -3,6 +3,11 @@
     MonitorError                 every error the service raises on purpose
     ├── ClientError              the request is at fault (4xx); counted by reason
     │   ├── InvalidRequest       400  well-formed but inconsistent (shapes, unknown scorer, paths)
+    │   ├── Unauthorized         401  no bearer token where one is needed
+    │   │   ├── InvalidToken     401  a token this service never issued
+    │   │   └── RevokedToken     401  a token that was revoked
+    │   ├── Forbidden            403  a valid token whose scope or run prefix does not allow this
+    │   │   └── RunLimitReached  403  an ingest token that created ``max_runs_per_token`` runs
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  a batch_id replayed with different content
     │   │   └── RunConflict      409  a run name re-created with different settings
@@ -13,7 +18,8 @@
 
 Every error renders as ``{"error": code, "detail": what must hold and what was sent,
 "field": where, "index": which item}``; ``field`` is written as ``field_path`` writes it. An
-error with ``retry_after`` also sends a ``Retry-After`` header.
+error with ``retry_after`` also sends a ``Retry-After`` header, the 401s and the scope 403 a
+``WWW-Authenticate: Bearer`` one (RFC 6750).
 Must not import fastapi.
 """
 
@@ -37,6 +43,10 @@ class MonitorError(Exception):
     def body(self) -> dict[str, object]:
         return {"error": self.code, "detail": self.detail, "field": self.field, "index": self.index}
 
+    def headers(self) -> dict[str, str] | None:
+        retry_after = getattr(self, "retry_after", None)
+        return {"Retry-After": str(retry_after)} if retry_after is not None else None
+
 
 class ClientError(MonitorError):
     status = 400
@@ -46,6 +56,40 @@ class ClientError(MonitorError):
 class InvalidRequest(ClientError):
     status = 400
     code = "invalid_request"
+
+
+class Unauthorized(ClientError):
+    status = 401
+    code = "unauthorized"
+    challenge = 'Bearer realm="collapse-monitor"'
+
+    def headers(self) -> dict[str, str] | None:
+        return {"WWW-Authenticate": self.challenge}
+
+
+class InvalidToken(Unauthorized):
+    code = "invalid_token"
+    challenge = 'Bearer realm="collapse-monitor", error="invalid_token"'
+
+
+class RevokedToken(Unauthorized):
+    code = "revoked_token"
+    challenge = 'Bearer realm="collapse-monitor", error="invalid_token", error_description="revoked"'
+
+
+class Forbidden(ClientError):
+    status = 403
+    code = "insufficient_scope"
+
+    def headers(self) -> dict[str, str] | None:
+        return {"WWW-Authenticate": 'Bearer realm="collapse-monitor", error="insufficient_scope"'}
+
+
+class RunLimitReached(Forbidden):
+    code = "run_limit"
+
+    def headers(self) -> dict[str, str] | None:
+        return None
 
 
 class NotFound(ClientError):

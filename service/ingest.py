@@ -41,10 +41,13 @@ def content_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def same_content(stored_payload: str, stored_hash: str, raw: bytes) -> bool:
-    """Whether a replayed body carries the stored content; key order and spacing do not matter."""
+def same_content(stored_payload: str, stored_hash: str, raw: bytes, is_purged: bool = False) -> bool:
+    """Whether a replayed body carries the stored content; key order and spacing do not matter,
+    except once the stored payload was purged (retention): then only the hash of the bytes is left."""
     if content_hash(raw) == stored_hash:
         return True
+    if is_purged:
+        return False
     try:
         return bool(json.loads(stored_payload) == json.loads(raw))
     except json.JSONDecodeError:  # pragma: no cover - both bodies were validated JSON
@@ -299,9 +302,11 @@ def _replay(session: Session, run_id: int, key: str | None, step: int, raw: byte
     existing = queries.batch_by_key(session, run_id, key)
     if existing is None:
         return None
-    if not same_content(existing.payload, existing.payload_sha256, raw):
+    is_purged = existing.payload_purged_at is not None
+    if not same_content(existing.payload, existing.payload_sha256, raw, is_purged):
+        purged = " (its payload was purged, so only a byte-identical replay is recognised)" if is_purged else ""
         raise Conflict(
-            f"batch_id {key!r} was already used for different content (batch {existing.id}); "
+            f"batch_id {key!r} was already used for different content (batch {existing.id}){purged}; "
             "send new content under a new batch_id",
             field="batch_id",
         )

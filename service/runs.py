@@ -12,11 +12,12 @@ from typing import Any, cast
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.partition import Extraction
+from service.access import Token
 from service.alert_rules import AlertSettings
-from service.errors import InvalidRequest, NotFound, RunConflict
+from service.errors import InvalidRequest, NotFound, RunConflict, RunLimitReached
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
-from service.storage import queries
+from service.storage import queries, retention, tokens
 from service.storage.tables import Checkpoint, Run
 
 
@@ -97,9 +98,14 @@ def run_response(session: Session, run: Run) -> RunResponse:
     )
 
 
-def create_run(sessions: sessionmaker[Session], settings: Settings, body: RunCreate) -> tuple[RunResponse, bool]:
+def create_run(
+    sessions: sessionmaker[Session], settings: Settings, body: RunCreate, token: Token | None = None
+) -> tuple[RunResponse, bool]:
     """Creates a run; returns ``(run, created)``. The same name with the same settings returns the
-    existing run (a restarted trainer re-posts it); with other settings it is refused (409)."""
+    existing run (a restarted trainer re-posts it); with other settings it is refused (409).
+
+    An ingest ``token`` creates at most ``max_runs_per_token`` runs (403 beyond; re-posting an
+    existing run is not a creation)."""
     wanted = body.model_copy(update={"scorer": body.scorer or settings.default_scorer})
     if wanted.scorer not in settings.scorers:
         raise InvalidRequest(
@@ -110,6 +116,7 @@ def create_run(sessions: sessionmaker[Session], settings: Settings, body: RunCre
         if existing is not None:
             _check_same_settings(run_settings(existing), wanted)
             return run_response(session, existing), False
+        _check_run_limit(session, settings, token)
         run = Run(
             name=wanted.name,
             project=wanted.project,
@@ -124,10 +131,30 @@ def create_run(sessions: sessionmaker[Session], settings: Settings, body: RunCre
             filter=wanted.filter.model_dump(),
             alert_rules=wanted.alerts.model_dump(),
             reasoning_extraction=wanted.reasoning_extraction,
+            created_by_token=token.id if token is not None else None,
         )
         session.add(run)
         session.flush()
         return run_response(session, run), True
+
+
+def _check_run_limit(session: Session, settings: Settings, token: Token | None) -> None:
+    limit = settings.max_runs_per_token
+    if token is None or token.scope != "ingest" or limit == 0:
+        return
+    created = tokens.runs_created_by(session, token.id, lock=True)
+    if created >= limit:
+        raise RunLimitReached(
+            f"this ingest token ({token.hint}...) has created {created} runs, the limit (max_runs_per_token={limit}); "
+            "an admin can delete old runs (DELETE /v1/runs/{run}) or raise the limit",
+            field="name",
+        )
+
+
+def delete_run(sessions: sessionmaker[Session], name: str) -> dict[str, int]:
+    """Deletes the run called ``name`` and everything it owns (404 if unknown); rows deleted per table."""
+    with sessions.begin() as session:
+        return retention.delete_run(session, require_run(session, name).id)
 
 
 def _check_same_settings(stored: RunCreate, wanted: RunCreate) -> None:

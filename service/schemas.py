@@ -478,6 +478,11 @@ class BatchStatus(BaseModel):
     scorer: str | None
     checkpoint: str | None
     results: BatchResult | None
+    payload_purged_at: str | None = Field(
+        None,
+        description="When payload retention removed the batch's stored body and matrices (its results, points and "
+        "alerts stay; a byte-identical replay is still recognised); null while they are kept.",
+    )
 
 
 class MatrixAccepted(BatchAccepted):

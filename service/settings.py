@@ -100,6 +100,32 @@ class Settings(BaseSettings):
     max_token_ids: int = Field(65536, ge=1, description="Token ids per prompt or reasoning.")
     max_matrix_cells: int = Field(4_000_000, ge=1, description="R x N cells of an uploaded matrix.")
 
+    require_token_for_reads: bool = Field(
+        False,
+        description="Reads (/v1 GETs, the web pages' data) need a read or admin token (an ingest token reads its own "
+        "runs). Writes need a token whenever any unrevoked token exists, whatever this says.",
+    )
+    require_token_for_metrics: bool = Field(False, description="/metrics needs a read or admin token.")
+    allow_insecure_bind: bool = Field(
+        False,
+        description="Let `serve` bind a non-loopback address although no API token exists, so that anyone who "
+        "reaches the port can write (a container whose port is published on loopback only, a trusted network).",
+    )
+    token_cache_seconds: float = Field(
+        2.0,
+        ge=0,
+        description="How long an API process keeps a token lookup; a revoked token stops working within this time.",
+    )
+    max_runs_per_token: int = Field(
+        1000, ge=0, description="Runs one ingest token may create (403 beyond); 0 turns the limit off."
+    )
+    payload_retention_days: float | None = Field(
+        None,
+        gt=0,
+        description="Stored payloads (batch bodies, cross-scoring matrices) of finished batches older than this are "
+        "purged by the server in the background; metric points, results and alerts stay. Unset: kept forever.",
+    )
+
     alert_webhooks: list[str] = Field(
         default_factory=list, description="URLs receiving alert events as generic JSON (firing and resolved)."
     )

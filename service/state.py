@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from service.access import TokenCache
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 
@@ -28,6 +29,7 @@ class AppState:
     sessions: sessionmaker[Session]
     registry: CollectorRegistry
     metrics: ServiceMetrics
+    tokens: TokenCache
     pool: ScorerPool | None = None  # only with an embedded worker
     scorer_ready: threading.Event = field(default_factory=threading.Event)
     scorer_error: str | None = None

@@ -5,7 +5,8 @@
     collapse-monitor-client follow DIR --run NAME [--url URL] [--state FILE] [--once]
         send each new step file of a rollout-dump folder (verl's trainer.rollout_data_dir)
 
-``--url`` defaults to ``$COLLAPSE_MONITOR_URL`` or http://127.0.0.1:8000. Batches that cannot be
+``--url`` defaults to ``$COLLAPSE_MONITOR_URL`` or http://127.0.0.1:8000, ``--token`` to
+``$COLLAPSE_MONITOR_TOKEN``. Batches that cannot be
 delivered stay in the spool and are sent by the next command (or monitor) of the same run. The
 result is one JSON document on stdout; bad arguments or input exit with 2, undelivered or refused
 batches with 1. Progress and errors go to stderr.
@@ -88,6 +89,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("COLLAPSE_MONITOR_URL", "http://127.0.0.1:8000"),
         help="the service (default: $COLLAPSE_MONITOR_URL or http://127.0.0.1:8000)",
     )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("COLLAPSE_MONITOR_TOKEN"),
+        help="the service's API token (default: $COLLAPSE_MONITOR_TOKEN)",
+    )
     parser.add_argument("--settings", help='run settings as JSON, e.g. \'{"schedule": {"every": 5}}\'')
     parser.add_argument("--max-groups", type=int, help="send at most this many prompt groups per step")
     parser.add_argument("--max-rows", type=int, help="send at most this many trajectories per step")
@@ -113,6 +119,7 @@ def _monitor(args: argparse.Namespace) -> Monitor:
             max_rows=args.max_rows,
             spool_dir=args.spool_dir,
             durable=True,  # a batch is on disk before the file that held it counts as sent
+            token=args.token,
         )
     except ValueError as e:
         raise UsageError(str(e)) from e

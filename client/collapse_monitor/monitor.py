@@ -76,6 +76,10 @@ class Monitor:
         exit_timeout: At interpreter exit, how long to wait for delivery before leaving the rest in
             the spool for the next start (not waited when the service is unreachable).
         headers: Extra HTTP headers (for example an authorization header of a proxy).
+        token: The service's API token (``collapse-monitor tokens create``), sent as
+            ``Authorization: Bearer``; default ``$COLLAPSE_MONITOR_TOKEN``. An ingest token writes
+            (and reads) the runs whose names start with its prefix. A refused token (401/403) keeps
+            the batches in the spool, for the next monitor of the run with a valid token.
     """
 
     def __init__(
@@ -105,6 +109,7 @@ class Monitor:
         timeout: float = 30.0,
         exit_timeout: float = 10.0,
         headers: Mapping[str, str] | None = None,
+        token: str | None = None,
     ) -> None:
         if not RUN_NAME.match(run):
             raise ValueError(f"run must match {RUN_NAME.pattern} (at most 128 characters), got {run!r}")
@@ -141,7 +146,8 @@ class Monitor:
         self.exit_timeout = exit_timeout
         self.spool_folder = Path(spool_dir if spool_dir is not None else default_spool_dir()).expanduser() / run
         self._timeout = timeout
-        self._headers = dict(headers or {})
+        token = token if token is not None else os.environ.get("COLLAPSE_MONITOR_TOKEN") or None
+        self._headers = {**({"Authorization": f"Bearer {token}"} if token else {}), **dict(headers or {})}
         self._sender = Sender(
             Transport(self.url, timeout, self._headers),
             Spool(self.spool_folder),
@@ -158,7 +164,11 @@ class Monitor:
         self._warned: set[str] = set()
         self._exit_hook = functools.partial(_close_at_exit, self)
         if strict and enabled:
-            self._start()
+            try:
+                self._start()
+            except MonitorError:
+                self._sender.transport.close()  # the caller never gets this monitor to close
+                raise
 
     def __repr__(self) -> str:
         return f"Monitor(url={self.url!r}, run={self.run!r})"

@@ -321,6 +321,15 @@ class Sender:
         elif outcome.kind == "run_missing" and request.run_missing == 0:
             request.run_missing += 1  # the service lost the run (a new database): create it, then retry
             self.run_ready = False
+        elif outcome.kind == "unauthorized":
+            # The token is missing, wrong, revoked or not for this run: every later request would be
+            # refused the same way, so keep them all spooled (a monitor with a valid token sends them)
+            # and ask again slowly, in case an operator fixes the token's scope meanwhile.
+            message = f"the service refused the token for the {request.describe()}: {outcome.detail}"
+            if self.failure is None:
+                logger.error("collapse-monitor: %s; batches stay in %s", message, self.spool.folder)
+            self._record_failure(message)
+            self._back_off(outcome, at_least=60.0)
         elif outcome.kind == "retry" and not (outcome.status == 500 and request.server_errors + 1 >= MAX_SERVER_ERRORS):
             if outcome.status == 500:
                 request.server_errors += 1

@@ -1,8 +1,10 @@
 """HTTP to the service, and what each answer means for a request: done, retry later, or refused.
 
 Owns the status-code policy: 2xx done; connection errors, timeouts, 408, 425, 429 and 5xx retried
-(honouring ``Retry-After``); a 404 naming the run means the run must be created again; any other
-4xx is a refusal that retrying cannot fix. Must not import threads or the spool.
+(honouring ``Retry-After``); a 404 naming the run means the run must be created again; 401 and 403
+mean the token is missing, wrong or not allowed for this run (every later request would be refused
+too, so they wait); any other 4xx is a refusal that retrying cannot fix. Must not import threads or
+the spool.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ RETRIED_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 class Outcome:
     """What became of one request."""
 
-    kind: str  # "ok" | "retry" | "refused" | "run_missing"
+    kind: str  # "ok" | "retry" | "refused" | "run_missing" | "unauthorized"
     status: int | None = None
     detail: str = ""
     retry_after: float | None = None  # seconds the service asked us to wait
@@ -75,6 +77,8 @@ def classify(response: httpx.Response) -> Outcome:
     detail = _detail(answer) or response.text[:500] or response.reason_phrase
     if status in RETRIED_STATUSES:
         return Outcome("retry", status, f"{status}: {detail}", retry_after_seconds(response.headers), answer)
+    if status in (401, 403):
+        return Outcome("unauthorized", status, f"{status}: {detail}", answer=answer)
     if status == 404 and isinstance(answer, dict) and answer.get("field") == "run":
         return Outcome("run_missing", status, f"{status}: {detail}", answer=answer)
     return Outcome("refused", status, f"{status}: {detail}", answer=answer)

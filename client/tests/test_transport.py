@@ -59,3 +59,12 @@ def test_backoff_doubles_up_to_its_cap_with_jitter_in_the_upper_half():
         delays = [backoff_delay(failures, 0.5, 30.0) for _ in range(200)]
         assert all(full / 2 <= d <= full for d in delays)
         assert max(delays) - min(delays) > full / 10  # jittered, not lockstep
+
+
+@pytest.mark.parametrize(
+    ("status", "error"), [(401, "unauthorized"), (401, "revoked_token"), (403, "insufficient_scope")]
+)
+def test_a_refused_token_is_told_apart_from_a_refused_request(status, error):
+    outcome = classify(answer(status, {"error": error, "detail": "the token", "field": None, "index": None}))
+    assert outcome.kind == "unauthorized"
+    assert outcome.detail == f"{status}: {error}: the token"

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 
 from service.alert_delivery import alert_document
 from service.alert_rules import AlertState, RuleName
-from service.api.deps import State
+from service.api.deps import Caller, ReadsRun, State
 from service.runs import require_run
 from service.schemas import AlertResponse, DeliveryStatus
 from service.storage import queries
@@ -22,11 +22,13 @@ RuleFilter = Annotated[RuleName | None, Query(description="Only this rule.")]
 @router.get("/v1/alerts")
 def list_alerts(
     state: State,
+    access: Caller,
     alert_state: StateFilter = None,
     rule: RuleFilter = None,
     run: Annotated[str | None, Query(description="Only this run.")] = None,
 ) -> list[AlertResponse]:
     """Alerts of every run, oldest first."""
+    access.read([run] if run is not None else None)
     with state.sessions() as session:
         run_id = require_run(session, run).id if run is not None else None
         rows = queries.list_alerts(session, run_id, alert_state, rule)
@@ -55,7 +57,9 @@ def list_alerts(
         ]
 
 
-@router.get("/v1/runs/{run}/alerts")
-def run_alerts(state: State, run: str, alert_state: StateFilter = None, rule: RuleFilter = None) -> list[AlertResponse]:
+@router.get("/v1/runs/{run}/alerts", dependencies=[ReadsRun])
+def run_alerts(
+    state: State, access: Caller, run: str, alert_state: StateFilter = None, rule: RuleFilter = None
+) -> list[AlertResponse]:
     """Alerts of one run, oldest first."""
-    return list_alerts(state, alert_state, rule, run)
+    return list_alerts(state, access, alert_state, rule, run)

@@ -6,9 +6,15 @@ import codecs
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from service.access import Access
 from service.errors import InvalidRequest
 from service.state import AppState
+
+# auto_error=False: whether a token is needed depends on the rule and on whether any token exists,
+# which the Access object decides; this only reads the header (and documents it in OpenAPI).
+_bearer = HTTPBearer(auto_error=False, description="An API token (`collapse-monitor tokens create`).")
 
 
 def _state(request: Request) -> AppState:
@@ -28,5 +34,39 @@ async def _raw_body(request: Request) -> bytes:
     return raw
 
 
+def _access(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Access:
+    state = _state(request)
+    return Access(state.tokens, credentials.credentials if credentials else None, state.settings)
+
+
 State = Annotated[AppState, Depends(_state)]
 RawBody = Annotated[bytes, Depends(_raw_body)]
+Caller = Annotated[Access, Depends(_access)]
+
+
+def _write_run(access: Caller, run: str) -> None:
+    access.write(run)
+
+
+def _write_some_run(access: Caller) -> None:
+    access.write(None)
+
+
+def _read_run(access: Caller, run: str) -> None:
+    access.read([run])
+
+
+def _read_all(access: Caller) -> None:
+    access.read(None)
+
+
+def _read_no_run_data(access: Caller) -> None:
+    access.read(())
+
+
+# Route dependencies, solved before the body is read or validated: a refused caller gets 401/403, not 422.
+WritesRun = Depends(_write_run)
+WritesSomeRun = Depends(_write_some_run)  # the run's name is in the body; the handler checks it too
+ReadsRun = Depends(_read_run)
+ReadsAll = Depends(_read_all)
+ReadsNoRunData = Depends(_read_no_run_data)

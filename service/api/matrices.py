@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 
 from scoring.estimators import prompt_posterior
 from scoring.partition import split_turn
-from service.api.deps import State
+from service.api.deps import ReadsRun, State
 from service.errors import NotFound
 from service.schemas import INT32_MAX, BatchIn, MatrixResponse, PromptDetail
 from service.storage import matrices, queries
@@ -20,7 +20,11 @@ EXCERPTS = 3  # reasoning texts shown per prompt
 EXCERPT_CHARS = 400
 
 
-@router.get("/v1/runs/{run}/matrix", responses={404: {"description": "Unknown run, or no matrix at that step"}})
+@router.get(
+    "/v1/runs/{run}/matrix",
+    responses={404: {"description": "Unknown run, or no matrix at that step"}},
+    dependencies=[ReadsRun],
+)
 def step_matrix(
     state: State,
     run: str,
@@ -39,7 +43,8 @@ def step_matrix(
             at = f" at step {step}" if step is not None else ""
             raise NotFound(
                 f"run {run!r} has no stored matrix{at} for sampler {sampler or 'any'}: steps off the "
-                "schedule, failed batches and batches scored before matrices were stored have none",
+                "schedule, failed batches, batches scored before matrices were stored and batches whose payload "
+                "was purged (payload_retention_days) have none",
                 field="step",
             )
         matrix, batch = found
@@ -91,7 +96,7 @@ def _response(run: str, matrix: ScoreMatrix, batch: Batch) -> MatrixResponse:
 
 def _reasoning_texts(batch: Batch, sources: list[Any] | None, n_rows: int) -> list[str | None]:
     """[R] the reasoning text of each row, in scoring order (None where only token ids were sent)."""
-    if not sources or batch.kind != "rollouts":
+    if not sources or batch.kind != "rollouts" or batch.payload_purged_at is not None:
         return [None] * n_rows
     payload = BatchIn.model_validate_json(batch.payload)
     out: list[str | None] = []

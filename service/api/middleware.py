@@ -72,9 +72,7 @@ async def refuse(scope: Scope, send: Send, error: MonitorError, reason: str | No
     state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
     if state is not None:
         state.metrics.rejections.labels(reason or error.code).inc()
-    retry_after = getattr(error, "retry_after", None)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
-    await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, _drain, send)
+    await JSONResponse(error.body(), status_code=error.status, headers=error.headers())(scope, _drain, send)
 
 
 class BodyLimit:

@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.api.deps import State
+from service.api.deps import Caller, State
 from service.schemas import LatestValue, OverviewResponse, RunMetadata, RunOverview, Sparkline
 from service.storage import overview
 from service.storage.tables import Run, iso_time
@@ -19,11 +19,13 @@ LATEST = (*SPARKLINE, "retrieval_above_chance")
 @router.get("/v1/overview")
 def runs_overview(
     state: State,
+    access: Caller,
     points: Annotated[int, Query(ge=0, le=1000, description="Sparkline length in scored steps.")] = 60,
     runs: Annotated[str | None, Query(description="Comma-separated run names; all runs when absent.")] = None,
 ) -> OverviewResponse:
     """What the runs page shows of each run, oldest run first."""
     names = [n for n in runs.split(",") if n] if runs is not None else None
+    access.read(names)
     with state.sessions() as session:
         found = overview.runs_named(session, names)
         figures = overview.run_figures(session, [r.id for r in found], LATEST)

@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Body, Query, Response, status
 
 from service import ingest, runs
-from service.api.deps import RawBody, State
+from service.api.deps import Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
 from service.schemas import (
     INT32_MAX,
     BatchAccepted,
@@ -53,25 +53,43 @@ BATCH_EXAMPLE = {
 }
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses={200: {"description": "The run already existed"}})
-def create_run(state: State, body: RunCreate, response: Response) -> RunResponse:
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    responses={200: {"description": "The run already existed"}},
+    dependencies=[WritesSomeRun],
+)
+def create_run(state: State, access: Caller, body: RunCreate, response: Response) -> RunResponse:
     """Creates a run, or returns it when one with this name and the same settings exists."""
-    run, created = runs.create_run(state.sessions, state.settings, body)
+    token = access.write(body.name, field="name")
+    run, created = runs.create_run(state.sessions, state.settings, body, token)
     if not created:
         response.status_code = status.HTTP_200_OK
     return run
 
 
-@router.get("")
+@router.get("", dependencies=[ReadsAll])
 def list_runs(state: State) -> list[RunResponse]:
     with state.sessions() as session:
         return [runs.run_response(session, run) for run in queries.list_runs(session)]
 
 
-@router.get("/{run}")
+@router.get("/{run}", dependencies=[ReadsRun])
 def get_run(state: State, run: str) -> RunResponse:
     with state.sessions() as session:
         return runs.run_response(session, runs.require_run(session, run))
+
+
+@router.delete(
+    "/{run}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    responses={404: {"description": "Unknown run"}, 403: {"description": "Not an admin token"}},
+)
+def delete_run(state: State, access: Caller, run: str) -> Response:
+    """Deletes a run and everything it owns (batches, series, alerts, matrices, checkpoints); admin only."""
+    access.admin("deleting a run")
+    runs.delete_run(state.sessions, run)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post(
@@ -83,6 +101,7 @@ def get_run(state: State, run: str) -> RunResponse:
         413: {"description": "Body or batch over the configured limits"},
         503: {"description": "Scoring queue full; retry after the Retry-After header"},
     },
+    dependencies=[WritesRun],
 )
 def ingest_batch(
     state: State,
@@ -94,13 +113,13 @@ def ingest_batch(
     return ingest.ingest_rollouts(state.sessions, state.settings, run, raw, body)
 
 
-@router.post("/{run}/matrices", status_code=status.HTTP_201_CREATED)
+@router.post("/{run}/matrices", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
     return ingest.ingest_matrix(state.sessions, state.settings, run, raw, body)
 
 
-@router.post("/{run}/checkpoints", status_code=status.HTTP_201_CREATED)
+@router.post("/{run}/checkpoints", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
 def announce_checkpoint(state: State, run: str, body: CheckpointIn) -> CheckpointResponse:
     """Announces a policy checkpoint; later batches of a ``policy``-mode run are scored with it."""
     return runs.announce_checkpoint(state.sessions, state.settings, run, body)
@@ -110,7 +129,12 @@ def announce_checkpoint(state: State, run: str, body: CheckpointIn) -> Checkpoin
 CSV_COLUMNS = [name for name in MetricPointOut.model_fields if name != "segment"]
 
 
-@router.get("/{run}/metrics", response_model=MetricSeries, responses={200: {"content": {"text/csv": {}}}})
+@router.get(
+    "/{run}/metrics",
+    response_model=MetricSeries,
+    responses={200: {"content": {"text/csv": {}}}},
+    dependencies=[ReadsRun],
+)
 def metric_series(
     state: State,
     run: str,

@@ -10,7 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from scoring.snr_filter import filter_groups
-from service.api.deps import State
+from service.api.deps import Caller, ReadsNoRunData, State
 from service.metrics import EXPORTED, NAMESPACE
 from service.schemas import CatalogueEntry, CatalogueResponse, FilterRequest, FilterResponse
 
@@ -47,12 +47,14 @@ def readyz(state: State) -> JSONResponse:
 
 
 @router.get("/metrics", tags=["system"], response_class=Response)
-def metrics(state: State) -> Response:
-    """Prometheus exposition: per-run diagnostics and service metrics."""
+def metrics(state: State, access: Caller) -> Response:
+    """Prometheus exposition: per-run diagnostics and service metrics (a read or admin token when
+    ``require_token_for_metrics``)."""
+    access.metrics()
     return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/catalogue", tags=["system"])
+@router.get("/v1/catalogue", tags=["system"], dependencies=[ReadsNoRunData])
 def catalogue() -> CatalogueResponse:
     """The diagnostics exported to Prometheus: stored name, gauge name and meaning."""
     return CatalogueResponse(
@@ -60,7 +62,7 @@ def catalogue() -> CatalogueResponse:
     )
 
 
-@router.post("/v1/filter", tags=["filter"])
+@router.post("/v1/filter", tags=["filter"], dependencies=[ReadsNoRunData])
 def snr_filter(body: FilterRequest) -> FilterResponse:
     """Which prompt groups RAGEN's SNR-aware filter keeps, and its rollout/... metrics."""
     result = filter_groups(body.rewards, body.filter_config())

@@ -73,6 +73,9 @@ class Run(Base):
     # arrive out of order before a later one was scored are still scored in step order.
     segment: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     claimed_step: Mapped[int | None] = mapped_column(Integer)  # newest step of the segment taken for scoring
+    # The ingest token that created the run (max_runs_per_token counts them); no foreign key: tokens
+    # are revoked, never deleted, and SQLite could not add one without rebuilding this table.
+    created_by_token: Mapped[int | None] = mapped_column(Integer)
 
 
 class Checkpoint(Base):
@@ -104,8 +107,9 @@ class Batch(Base):
     # The client's idempotency key (its column keeps the key's first name).
     idempotency_key: Mapped[str | None] = mapped_column("client_batch_id", String(200))
     kind: Mapped[str] = mapped_column(String(16))  # rollouts | matrix
-    payload: Mapped[str] = mapped_column(Text)  # the request body as sent
-    payload_sha256: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[str] = mapped_column(Text)  # the request body as sent; "" once purged
+    payload_sha256: Mapped[str] = mapped_column(String(64))  # kept after a purge: replays are still recognised
+    payload_purged_at: Mapped[datetime | None] = mapped_column()  # set by payload retention
     checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"))
     status: Mapped[str] = mapped_column(String(16))  # queued | scoring | done | failed
     error: Mapped[str | None] = mapped_column(Text)
@@ -250,3 +254,18 @@ class ScoreMatrix(Base):
     column_labels: Mapped[list[Any]] = mapped_column()  # [n_columns] the prompt group id of each column
     row_sources: Mapped[list[Any] | None] = mapped_column(JSON)  # [n_rows] (trajectory, turn); None for matrices
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class ApiToken(Base):
+    """A bearer token of the API. Only the SHA-256 of its secret is stored; the secret is shown once."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    scope: Mapped[str] = mapped_column(String(16))  # ingest | read | admin
+    run_prefix: Mapped[str] = mapped_column(String(200), default="")  # ingest: the runs it may write ("" any)
+    secret_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    hint: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to recognise it in a list
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column()

@@ -6,6 +6,7 @@ Alertmanager; no Grafana) and two workers. Every check goes through a port publi
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import uuid
@@ -228,3 +229,17 @@ def test_grafanas_read_only_role_runs_every_dashboard_query_and_writes_nothing(s
         assert run in {name for (name,) in connection.execute("SELECT name FROM runs")}
         with pytest.raises(psycopg.errors.InsufficientPrivilege):
             connection.execute("DELETE FROM runs")
+
+
+def test_a_token_created_in_the_stack_guards_its_writes(stack):
+    """Last in this module: once a token exists, every write needs one."""
+    created = stack.compose(
+        "exec", "-T", "api", "collapse-monitor", "tokens", "create", "--scope", "admin", "--name", "compose-test"
+    )
+    token = json.loads(created.stdout)["token"]
+    with httpx.Client(base_url=stack.api, timeout=30) as api:
+        # The API process notices a new token within token_cache_seconds.
+        wait_until(lambda: api.post("/v1/runs", json={"name": "docker-guarded"}).status_code == 401, 30, "a 401")
+        guarded = api.post("/v1/runs", json={"name": "docker-guarded"}, headers={"Authorization": f"Bearer {token}"})
+        assert guarded.status_code == 201, guarded.text
+        assert api.get("/v1/runs/docker-guarded").status_code == 200  # reads stay open by default

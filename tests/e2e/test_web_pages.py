@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -11,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.browser import Console, chromium_missing, launched, screenshots, wait_for_charts
-from tests.e2e.conftest import Processes, service_env, start_service
+from tests.e2e.conftest import BIN, Processes, service_env, start_service
 from tests.fixtures import dependence_matrix
 
 if TYPE_CHECKING:
@@ -242,3 +244,47 @@ def test_screenshots_of_the_runs_page_and_a_collapsing_run(browser, server, tmp_
         width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
         assert width == 1440
         assert height >= 600
+
+
+def test_with_tokens_required_for_reads_the_page_asks_for_one_and_then_shows_the_data(browser, tmp_path):
+    env = service_env(tmp_path, COLLAPSE_MONITOR_REQUIRE_TOKEN_FOR_READS="true")
+    issued = {}
+    for scope in ("read", "ingest"):
+        created = subprocess.run(
+            [str(BIN / "collapse-monitor"), "tokens", "create", "--scope", scope],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        issued[scope] = json.loads(created.stdout)["token"]
+    processes = Processes(tmp_path)
+    try:
+        server = start_service(processes, env)
+        with httpx.Client(base_url=server, timeout=30, headers={"Authorization": f"Bearer {issued['ingest']}"}) as api:
+            api.post("/v1/runs", json={"name": "secured"}).raise_for_status()
+            for step in (1, 2, 3):
+                api.post("/v1/runs/secured/matrices", json=dependence_matrix(step, 1.0)).raise_for_status()
+        assert httpx.get(f"{server}/v1/overview").status_code == 401
+
+        page, console = open_page(browser, f"{server}/")
+        page.wait_for_selector("#token-dialog[open]")
+        assert page.locator("#token-dialog .token-reason").inner_text().startswith("The server wants a token")
+        page.fill("#token-dialog input", issued["read"])
+        page.click("#token-dialog button[value=save]")
+        page.wait_for_selector('#runs tr[data-run="secured"]')
+        assert page.evaluate("() => localStorage.getItem('collapse-monitor.token')") == issued["read"]
+
+        page.goto(f"{server}/runs/secured")  # the token stays: no question this time
+        wait_for_charts(page)
+        assert {d["points"] for d in drawn_points(page) if d["name"] == "mi_estimate"} == {3}
+        assert page.locator("#token-dialog[open]").count() == 0
+        with page.expect_download() as download:
+            page.locator(".chart-links a.link", has_text="CSV").first.click()
+        assert download.value.path().read_text().startswith("step,")
+        # The only errors: the browser's report of the first, refused requests.
+        assert [e for e in console.errors if "401" not in e] == []
+        page.close()
+    finally:
+        processes.stop_all()

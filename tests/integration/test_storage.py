@@ -21,6 +21,7 @@ TABLES = {
     "alerts",
     "alert_deliveries",
     "score_matrices",
+    "api_tokens",
 }
 
 

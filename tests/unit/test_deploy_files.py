@@ -139,3 +139,20 @@ def test_the_env_example_lists_every_variable_the_compose_files_read_with_compos
     for name in ("compose.yaml", "compose.gpu.yaml"):
         read |= dict(re.findall(r"\$\{([A-Z_]+):-([^}]*)\}", (DOCKER / name).read_text()))
     assert example == read
+
+
+def test_the_api_states_how_it_binds_without_tokens_and_prometheus_says_how_to_scrape_with_one():
+    api = compose_config("compose.yaml")["services"]["api"]
+    # The container binds 0.0.0.0, which `serve` refuses without tokens unless told: the stack says so
+    # explicitly, and only because the port it publishes binds loopback by default.
+    assert api["environment"]["COLLAPSE_MONITOR_ALLOW_INSECURE_BIND"] == "true"
+    assert {port["host_ip"] for port in api["ports"]} == {"127.0.0.1"}
+    commented = (DOCKER / "prometheus.yml").read_text()
+    block = "\n".join(
+        line.replace("# ", "", 1)
+        for line in commented.splitlines()
+        if "authorization" in line or "credentials_file" in line
+    )
+    assert yaml.safe_load(block.replace("    ", "", 1)) == {
+        "authorization": {"credentials_file": "/etc/prometheus/collapse-monitor.token"}
+    }

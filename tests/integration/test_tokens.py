@@ -1,0 +1,202 @@
+"""API tokens on SQLite and Postgres: who may write, read and scrape; whole error bodies; every refusal counted."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import create_engine, func, select
+
+from service.access import issue_token
+from service.storage import tokens
+from service.storage.tables import Run
+from tests.fixtures import dependence_matrix, trajectories
+
+pytestmark = pytest.mark.integration
+
+CHALLENGE = 'Bearer realm="collapse-monitor"'
+
+
+def issue(client, scope: str, run_prefix: str = "") -> str:
+    with client.app.state.monitor.sessions.begin() as session:
+        return issue_token(session, scope, run_prefix).secret
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def rejections(client, token: str | None = None) -> dict[str, float]:
+    text = client.get("/metrics", headers=bearer(token) if token else {}).text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "collapse_monitor_rejections"]
+    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
+def runs_in(url) -> list[str]:
+    engine = create_engine(url)
+    with engine.connect() as connection:
+        names = connection.execute(select(Run.name).order_by(Run.name)).scalars().all()
+    engine.dispose()
+    return list(names)
+
+
+def test_without_tokens_everything_is_open_and_a_sent_token_is_ignored(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True)
+    assert client.post("/v1/runs", json={"name": "open"}, headers=bearer("cm_made-up")).status_code == 201
+    assert client.get("/v1/runs", headers=bearer("cm_made-up")).status_code == 200
+    assert client.get("/metrics").status_code == 200
+    counted = rejections(client)
+    for reason in ("unauthorized", "invalid_token", "revoked_token", "insufficient_scope", "run_limit"):
+        assert counted[reason] == 0, reason  # exported from zero
+
+
+def test_once_a_token_exists_writes_need_a_valid_one_with_the_right_scope(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, token_cache_seconds=0)
+    assert client.post("/v1/runs", json={"name": "team-a-1"}).status_code == 201
+    ingest, reader = issue(client, "ingest", "team-a-"), issue(client, "read")
+
+    missing = client.post("/v1/runs/team-a-1/batches", json={"step": 1, "trajectories": trajectories()})
+    assert missing.status_code == 401
+    assert missing.headers["www-authenticate"] == CHALLENGE
+    assert missing.json() == {
+        "error": "unauthorized",
+        "detail": "this request needs an API token: send the header Authorization: Bearer <token> "
+        "(an operator creates one with `collapse-monitor tokens create`)",
+        "field": None,
+        "index": None,
+    }
+    # Refused before the body is read: a malformed body without a token is a 401, not a 422.
+    assert client.post("/v1/runs/team-a-1/batches", content=b"{").status_code == 401
+    made_up = client.post("/v1/runs", json={"name": "team-a-2"}, headers=bearer("cm_made-up"))
+    assert made_up.status_code == 401
+    assert made_up.headers["www-authenticate"] == f'{CHALLENGE}, error="invalid_token"'
+    assert made_up.json()["error"] == "invalid_token"
+    basic = client.post("/v1/runs", json={"name": "team-a-2"}, headers={"Authorization": "Basic dXNlcjpwYXNz"})
+    assert basic.json()["error"] == "unauthorized"
+
+    read_only = client.post("/v1/runs", json={"name": "team-a-2"}, headers=bearer(reader))
+    assert read_only.status_code == 403
+    assert read_only.json() == {
+        "error": "insufficient_scope",
+        "detail": "a read token may not write; writes need an ingest token (for the run's name prefix) or an "
+        "admin token",
+        "field": None,
+        "index": None,
+    }
+    elsewhere = client.post("/v1/runs", json={"name": "team-b-1"}, headers=bearer(ingest))
+    assert elsewhere.status_code == 403
+    assert elsewhere.json() == {
+        "error": "insufficient_scope",
+        "detail": "this ingest token may write runs whose name starts with 'team-a-', not 'team-b-1'",
+        "field": "name",
+        "index": None,
+    }
+    other_run = client.post("/v1/runs", json={"name": "other"})  # created by nobody: tokens are needed now
+    assert other_run.status_code == 401
+    assert runs_in(database_url) == ["team-a-1"]
+
+    assert client.post("/v1/runs", json={"name": "team-a-2"}, headers=bearer(ingest)).status_code == 201
+    accepted = client.post(
+        "/v1/runs/team-a-2/batches", json={"step": 1, "trajectories": trajectories()}, headers=bearer(ingest)
+    )
+    assert accepted.status_code == 202
+    matrix = client.post("/v1/runs/team-a-2/matrices", json=dependence_matrix(1, 1.0), headers=bearer(ingest))
+    assert matrix.status_code == 201
+    admin = issue(client, "admin")
+    assert client.post("/v1/runs", json={"name": "other"}, headers=bearer(admin)).status_code == 201
+    outside = client.post("/v1/runs/other/matrices", json=dependence_matrix(1, 1.0), headers=bearer(ingest))
+    assert (outside.status_code, outside.json()["field"]) == (403, "run")
+
+    counted = rejections(client)
+    assert counted["unauthorized"] == 4
+    assert counted["invalid_token"] == 1
+    assert counted["insufficient_scope"] == 3
+
+
+def test_a_revoked_token_is_refused_once_the_cache_lets_go(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, token_cache_seconds=0.2)
+    keep, old = issue(client, "admin"), issue(client, "ingest")
+    assert client.post("/v1/runs", json={"name": "r"}, headers=bearer(old)).status_code == 201
+    with client.app.state.monitor.sessions.begin() as session:
+        (old_id,) = [t.id for t in tokens.list_tokens(session) if t.scope == "ingest"]
+        tokens.revoke_token(session, old_id)
+    time.sleep(0.3)
+    refused = client.post("/v1/runs/r/matrices", json=dependence_matrix(1, 1.0), headers=bearer(old))
+    assert refused.status_code == 401
+    assert refused.json() == {
+        "error": "revoked_token",
+        "detail": f"the bearer token {old[:8]}... was revoked; ask an operator for a new one",
+        "field": None,
+        "index": None,
+    }
+    assert refused.headers["www-authenticate"] == f'{CHALLENGE}, error="invalid_token", error_description="revoked"'
+    assert client.post("/v1/runs/r/matrices", json=dependence_matrix(1, 1.0), headers=bearer(keep)).status_code == 201
+    assert rejections(client)["revoked_token"] == 1
+
+
+def test_reads_and_metrics_need_a_token_only_when_the_settings_say_so(database_url, client_for):
+    client = client_for(
+        database_url,
+        scoring_paused=True,
+        token_cache_seconds=0,
+        require_token_for_reads=True,
+        require_token_for_metrics=True,
+    )
+    assert client.get("/v1/runs").status_code == 401  # also before any token exists
+    admin, reader = issue(client, "admin"), issue(client, "read")
+    ingest = issue(client, "ingest", "team-a-")
+    for name in ("team-a-1", "team-b-1"):
+        assert client.post("/v1/runs", json={"name": name}, headers=bearer(admin)).status_code == 201
+    batch = client.post("/v1/runs/team-b-1/matrices", json=dependence_matrix(1, 1.0), headers=bearer(admin)).json()
+
+    for path in ("/v1/runs", "/v1/runs/team-a-1", "/v1/overview", "/v1/alerts", "/v1/catalogue", "/metrics"):
+        assert client.get(path).status_code == 401, path
+        assert client.get(path, headers=bearer(reader)).status_code == 200, path
+    assert client.get("/healthz").status_code == client.get("/readyz").status_code == 200
+    assert client.get("/").status_code == 200  # the page itself holds no data; its /v1 calls carry the token
+
+    # An ingest token reads the runs it writes, and nothing else.
+    assert client.get("/v1/runs/team-a-1", headers=bearer(ingest)).status_code == 200
+    assert client.get("/v1/runs/team-a-1/metrics", headers=bearer(ingest)).status_code == 200
+    assert client.get("/v1/overview?runs=team-a-1", headers=bearer(ingest)).status_code == 200
+    assert client.get("/v1/catalogue", headers=bearer(ingest)).status_code == 200
+    refused = client.get("/v1/runs", headers=bearer(ingest))
+    assert refused.status_code == 403
+    assert refused.json()["detail"] == (
+        "this ingest token may not read every run; reads need a read or admin token "
+        "(an ingest token reads the runs starting with its prefix 'team-a-')"
+    )
+    assert client.get("/v1/runs/team-b-1/matrix", headers=bearer(ingest)).status_code == 403
+    assert client.get(f"/v1/batches/{batch['batch_id']}", headers=bearer(ingest)).status_code == 403
+    assert client.get(f"/v1/batches/{batch['batch_id']}", headers=bearer(reader)).status_code == 200
+    metrics = client.get("/metrics", headers=bearer(ingest))
+    assert metrics.status_code == 403
+    assert metrics.json()["detail"] == "/metrics needs a read or admin token, got an ingest token"
+
+
+def test_an_ingest_token_creates_at_most_max_runs_per_token_runs(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, token_cache_seconds=0, max_runs_per_token=2)
+    ingest, admin = issue(client, "ingest"), issue(client, "admin")
+    for name in ("a", "b"):
+        assert client.post("/v1/runs", json={"name": name}, headers=bearer(ingest)).status_code == 201
+    assert client.post("/v1/runs", json={"name": "a"}, headers=bearer(ingest)).status_code == 200  # not a creation
+    third = client.post("/v1/runs", json={"name": "c"}, headers=bearer(ingest))
+    assert third.status_code == 403
+    assert third.json() == {
+        "error": "run_limit",
+        "detail": f"this ingest token ({ingest[:8]}...) has created 2 runs, the limit (max_runs_per_token=2); an "
+        "admin can delete old runs (DELETE /v1/runs/{run}) or raise the limit",
+        "field": "name",
+        "index": None,
+    }
+    assert "www-authenticate" not in third.headers
+    assert client.post("/v1/runs", json={"name": "c"}, headers=bearer(admin)).status_code == 201  # admins: no limit
+    assert client.delete("/v1/runs/a", headers=bearer(admin)).status_code == 204
+    assert client.post("/v1/runs", json={"name": "d"}, headers=bearer(ingest)).status_code == 201
+    assert rejections(client)["run_limit"] == 1
+    engine = create_engine(database_url)
+    with engine.connect() as connection:
+        created = connection.execute(select(func.count()).select_from(Run).where(Run.created_by_token.is_not(None)))
+        assert created.scalar_one() == 3
+    engine.dispose()
