@@ -15,6 +15,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.metrics import ServiceMetrics
+from service.readiness import DatabaseProbe
 from service.settings import Settings
 
 if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
@@ -28,6 +29,7 @@ class AppState:
     sessions: sessionmaker[Session]
     registry: CollectorRegistry
     metrics: ServiceMetrics
+    database_probe: DatabaseProbe
     pool: ScorerPool | None = None  # only with an embedded worker
     scorer_ready: threading.Event = field(default_factory=threading.Event)
     scorer_error: str | None = None
