@@ -52,7 +52,12 @@ def make_engine(
     if statement_timeout_seconds is not None and engine.dialect.driver == "psycopg":
         # The server's statement_timeout does not fire while the server is frozen (SIGSTOP, a hung
         # host): its kernel still acknowledges what we send. Only the client can stop waiting.
-        event.listen(engine, "do_connect", partial(_connect_answering_within, seconds=statement_timeout_seconds + 1))
+        answer = statement_timeout_seconds + 1
+        event.listen(engine, "do_connect", partial(_connect_answering_within, seconds=answer))
+        # The pool's ping ("SELECT 1" before reuse) gets the connect timeout, not a statement's.
+        ping = float(connect_timeout_seconds) if connect_timeout_seconds is not None else answer
+        event.listen(engine.pool, "checkin", partial(_answer_within, seconds=ping))
+        event.listen(engine.pool, "checkout", partial(_answer_within, seconds=answer))
     return engine
 
 
@@ -84,6 +89,11 @@ def _connect_answering_within(
     connection = _AnsweringWithin.connect(*cargs, **cparams)
     connection.answer_seconds = seconds
     return connection
+
+
+def _answer_within(dbapi_connection: Any, *_: Any, seconds: float) -> None:
+    if isinstance(dbapi_connection, _AnsweringWithin):  # None when the pool discarded it
+        dbapi_connection.answer_seconds = seconds
 
 
 def outage(error: BaseException) -> str | None:

@@ -1,7 +1,7 @@
 """A database outage drill against a real ``collapse-monitor serve``: what clients see, how fast it recovers.
 
 A client streams batches (retrying every refused or failed one after ``retry_seconds``, with an
-idempotency key), a prober reads /healthz, /readyz and a run every ``probe_seconds``, and the
+idempotency key), probers read /healthz, /readyz and a run every ``probe_seconds``, and the
 database is stopped (``pg_ctl stop -m fast``) or frozen (SIGSTOP) for ``outage_seconds`` while a
 batch is being scored. Every answer is recorded; ``Drill.figures()`` sums them up. Used by
 tests/e2e/test_database_outage_e2e.py (assertions) and bench/outage.py (figures).
@@ -79,9 +79,10 @@ class Drill:
         with httpx.Client(base_url=self.base, timeout=self.client_timeout) as http:
             assert http.post("/v1/runs", json=RUN).status_code == 201
         client = threading.Thread(target=self._stream, daemon=True)
-        prober = threading.Thread(target=self._probe, daemon=True)
-        client.start()
-        prober.start()
+        probes = [("healthz", "/healthz"), ("readyz", "/readyz"), ("run", f"/v1/runs/{RUN['name']}")]
+        probers = [threading.Thread(target=self._probe, args=probe, daemon=True) for probe in probes]
+        for thread in [client, *probers]:
+            thread.start()
         deadline = time.monotonic() + timeout
         try:
             # Out while a batch is being scored, so that its finishing write meets the outage.
@@ -97,8 +98,8 @@ class Drill:
         finally:
             self._stop.set()
             self.database.thaw()
-            client.join(5)
-            prober.join(5)
+            for thread in [client, *probers]:
+                thread.join(5)
 
     def _stream(self) -> None:
         """Steps 0, 1, ... one per ``pace_seconds``, each retried until accepted, up to 3 after the outage."""
@@ -114,12 +115,10 @@ class Drill:
                 else:
                     time.sleep(self.retry_seconds)
 
-    def _probe(self) -> None:
+    def _probe(self, what: str, path: str) -> None:
         with httpx.Client(base_url=self.base, timeout=self.client_timeout) as http:
             while not self._stop.wait(self.probe_seconds):
-                self._send(http, "healthz", "GET", "/healthz")
-                self._send(http, "readyz", "GET", "/readyz")
-                self._send(http, "run", "GET", f"/v1/runs/{RUN['name']}")
+                self._send(http, what, "GET", path)
 
     def _send(self, http: httpx.Client, what: str, method: str, path: str, **kwargs: Any) -> Answer:
         at = time.monotonic()

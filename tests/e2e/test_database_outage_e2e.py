@@ -62,8 +62,10 @@ def check_outage_answers(drill: Drill) -> None:
             if a.status == 503:
                 assert a.retry_after is not None
                 assert int(a.retry_after) > 0
-                assert a.is_json_error and a.body["error"] == "database_unavailable", a.body
-            # Every wait is bounded: a connection (CONNECT) or a statement (STATEMENT + 1 s), plus a retry.
+                assert a.is_json_error, a.body
+                assert a.body["error"] == "database_unavailable", a.body
+            # Every wait is bounded: a free pooled connection (CONNECT), then its ping (CONNECT) and a new
+            # connection (CONNECT), or a statement (STATEMENT + 1 s); plus a crowded machine's slack.
             assert a.seconds < 2 * CONNECT_SECONDS + STATEMENT_SECONDS + 3, f"{a.what} took {a.seconds:.1f}s"
     assert sum(a.status == 503 for a in during if a.what == "ingest") >= 1
     assert any(a.status == 503 for a in during if a.what == "readyz")
@@ -102,7 +104,7 @@ def test_a_frozen_database_answers_within_the_timeouts_and_recovers(processes, t
 def test_503_and_500_answer_json_and_keep_the_connection(processes, tmp_path, database):
     base = serve(processes, tmp_path, database.url)
     address = urlsplit(base)
-    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    connection = http.client.HTTPConnection(address.netloc, timeout=30)
 
     def get(path: str) -> tuple[int, dict[str, str], dict]:
         connection.request("GET", path)
