@@ -157,8 +157,8 @@ class Drill:
         raise AssertionError(f"timed out waiting for {what}")
 
     def during(self) -> list[Answer]:
-        """Answers to requests sent while the database was out."""
-        return [a for a in self.answers if self.down_at <= a.at < self.up_at]
+        """Answers to requests open while the database was out (sent during it, or answered after it went)."""
+        return [a for a in self.answers if a.at < self.up_at and a.at + a.seconds >= self.down_at]
 
     def stored(self) -> dict[str, Any]:
         """What the database holds: batches per step, scoring attempts, metric points per batch."""
