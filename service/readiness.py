@@ -19,7 +19,7 @@ from service.storage.database import head_revision, outage
 class DatabaseProbe:
     """``check()`` is ``"ok"`` or why the database is not ready (unreachable, timed out, migrations pending)."""
 
-    def __init__(self, engine: Engine, url: str, wait_seconds: float = 0.8) -> None:
+    def __init__(self, engine: Engine, url: str, wait_seconds: float = 0.7) -> None:
         self.engine = engine
         self.head = head_revision(url)
         self.wait_seconds = wait_seconds
