@@ -5,9 +5,13 @@ The outages of a real Postgres server (stopped, frozen) are in tests/e2e/test_da
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 
 import pytest
+from sqlalchemy import exc, text
+
+from service.storage.database import make_engine, outage
 
 pytestmark = pytest.mark.integration
 
@@ -48,3 +52,24 @@ def test_a_sqlite_database_locked_past_the_busy_timeout_answers_503_with_retry_a
 def test_every_rejection_reason_including_database_unavailable_is_exported_from_zero(client_for, tmp_path):
     client = client_for(f"sqlite:///{tmp_path / 'monitor.db'}", scoring_paused=True)
     assert 'collapse_monitor_rejections_total{reason="database_unavailable"} 0.0' in client.get("/metrics").text
+
+
+def test_outage_tells_timeouts_and_refusals_from_faults_of_a_query(postgres_url):
+    engine = make_engine(postgres_url, connect_timeout_seconds=2, statement_timeout_seconds=0.2)
+    with engine.connect() as connection:
+        with pytest.raises(exc.OperationalError) as slow:
+            connection.execute(text("SELECT pg_sleep(2)"))  # past the server's statement_timeout
+        assert outage(slow.value) == "timed out: the database did not answer in time"
+        connection.rollback()
+        with pytest.raises(exc.ProgrammingError) as wrong:
+            connection.execute(text("SELECT * FROM no_such_table"))
+        assert outage(wrong.value) is None  # a fault of the query: 500, not 503
+    engine.dispose()
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nowhere = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", connect_timeout_seconds=2)
+    with pytest.raises(exc.OperationalError) as refused:
+        nowhere.connect()
+    assert outage(refused.value) == "unreachable: the database refused or dropped the connection"
+    nowhere.dispose()
