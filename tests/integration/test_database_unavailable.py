@@ -5,12 +5,16 @@ The outages of a real Postgres server (stopped, frozen) are in tests/e2e/test_da
 
 from __future__ import annotations
 
+import itertools
+import logging
 import socket
 import sqlite3
+import time
 
 import pytest
 from sqlalchemy import exc, text
 
+from service.background import retry_through_outage
 from service.storage.database import make_engine, outage
 
 pytestmark = pytest.mark.integration
@@ -65,11 +69,53 @@ def test_outage_tells_timeouts_and_refusals_from_faults_of_a_query(postgres_url)
             connection.execute(text("SELECT * FROM no_such_table"))
         assert outage(wrong.value) is None  # a fault of the query: 500, not 503
     engine.dispose()
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    nowhere = make_engine(f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", connect_timeout_seconds=2)
+    nowhere = make_engine(
+        f"postgresql+psycopg://postgres@127.0.0.1:{closed_port()}/postgres", connect_timeout_seconds=2
+    )
     with pytest.raises(exc.OperationalError) as refused:
         nowhere.connect()
     assert outage(refused.value) == "unreachable: the database refused or dropped the connection"
     nowhere.dispose()
+
+
+def test_a_finishing_write_is_retried_through_an_outage_until_its_deadline(caplog):
+    nowhere = make_engine(
+        f"postgresql+psycopg://postgres@127.0.0.1:{closed_port()}/postgres", connect_timeout_seconds=2
+    )
+    tries: list[float] = []
+
+    def write_after_two_refusals() -> str:
+        tries.append(time.monotonic())
+        if len(tries) <= 2:
+            nowhere.connect()  # refused: the database is down
+        return "written"
+
+    log = logging.getLogger("test")
+    assert retry_through_outage(write_after_two_refusals, time.monotonic() + 30, log, "finishing") == "written"
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert 0.5 <= gaps[0] < 1.0  # retry_delay(1)
+    assert 1.0 <= gaps[1] < 2.0  # retry_delay(2)
+    assert "database unreachable" in caplog.text
+
+    def refused() -> None:
+        nowhere.connect()
+
+    with pytest.raises(exc.OperationalError):  # past the deadline (the lease): the last error is raised
+        retry_through_outage(refused, time.monotonic() + 0.1, log, "finishing")
+
+    wrong_tries = []
+
+    def wrong() -> None:
+        wrong_tries.append(1)
+        raise exc.ProgrammingError("SELECT nothing", {}, Exception("a bug"))
+
+    with pytest.raises(exc.ProgrammingError):  # not an outage: raised at once, never retried
+        retry_through_outage(wrong, time.monotonic() + 30, log, "finishing")
+    assert len(wrong_tries) == 1
+    nowhere.dispose()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
