@@ -9,21 +9,24 @@ dispatcher leases due notifications, POSTs them, and on failure retries with exp
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.background import owner_id, poll
+from service.background import owner_id, poll, retry_through_outage
 from service.schemas import AlertDocument
 from service.settings import Settings
 from service.storage import queries
 from service.storage.tables import Alert, AlertDelivery, as_utc, iso_time, utcnow
 
 log = logging.getLogger("collapse_monitor.alert_delivery")
+LEASE_SECONDS = 60.0  # a dispatcher that dies while sending: its deliveries are sent again after this
 ICONS = {"firing": ":rotating_light:", "resolved": ":white_check_mark:"}
 
 
@@ -115,17 +118,29 @@ class Dispatcher:
 
     def run_once(self, limit: int = 20) -> int:
         """Tries every due notification once; returns how many it tried."""
+        leased_at = time.monotonic()
         with self.sessions.begin() as session:
-            claimed = [(d.id, d.url, d.payload) for d in queries.claim_deliveries(session, self.owner, 60.0, limit)]
+            claimed = [
+                (d.id, d.url, d.payload) for d in queries.claim_deliveries(session, self.owner, LEASE_SECONDS, limit)
+            ]
         for delivery_id, url, payload in claimed:
             body = payload["alerts"] if "alerts" in payload and url.endswith("/api/v2/alerts") else payload
             error = self._post(url, body)
-            with self.sessions.begin() as session:
-                delivery = session.get(AlertDelivery, delivery_id)
-                if delivery is None or delivery.lease_owner != self.owner:
-                    continue  # another dispatcher took it over after our lease ran out
-                self._record(delivery, error)
+            # Through a database outage while the lease holds: giving up would send it again later.
+            retry_through_outage(
+                functools.partial(self._record_sent, delivery_id, error),
+                leased_at + LEASE_SECONDS,
+                log,
+                f"alert dispatcher {self.owner}: recording delivery {delivery_id}",
+            )
         return len(claimed)
+
+    def _record_sent(self, delivery_id: int, error: str | None) -> None:
+        with self.sessions.begin() as session:
+            delivery = session.get(AlertDelivery, delivery_id)
+            if delivery is None or delivery.lease_owner != self.owner:
+                return  # another dispatcher took it over after our lease ran out
+            self._record(delivery, error)
 
     def _post(self, url: str, body: Any) -> str | None:
         try:

@@ -16,21 +16,23 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry
+from sqlalchemy import exc
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
 from service.access import TokenCache
 from service.alert_delivery import Dispatcher
 from service.api import alerts, batches, matrices, overview, pages, runs, system
-from service.api.middleware import BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
+from service.api.middleware import AnswerErrors, BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
 from service.background import start_in_thread
-from service.errors import MonitorError, field_path, rejection_reasons
+from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.readiness import DatabaseProbe
 from service.retention import Purger
 from service.settings import Settings
 from service.state import AppState
 from service.storage import queries
-from service.storage.database import make_engine, make_sessions, migrate
+from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
 
 log = logging.getLogger("collapse_monitor")
 
@@ -53,7 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
         url = settings.resolved_database_url
         if settings.auto_migrate:
             migrate(url)
-        engine = make_engine(url)
+        engine = make_engine(url, **settings.database_timeouts)
         sessions = make_sessions(engine)
         registry = CollectorRegistry()
         state = AppState(
@@ -63,6 +65,7 @@ def create_app(settings: Settings) -> FastAPI:
             registry=registry,
             metrics=ServiceMetrics(registry, rejection_reasons()),
             tokens=TokenCache(sessions, settings.token_cache_seconds),
+            database_probe=DatabaseProbe(engine, url),
         )
         registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
         app.state.monitor = state
@@ -101,11 +104,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(MonitorError, _monitor_error)  # type: ignore[arg-type]  # Starlette's handler type is loose
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]  # as above
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]  # as above
+    app.add_exception_handler(exc.DBAPIError, _database_error)  # type: ignore[arg-type]  # as above
+    app.add_exception_handler(exc.TimeoutError, _database_error)  # type: ignore[arg-type]  # as above
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(NoNulInUrl)
     if settings.rate_limit_per_second > 0:
         app.add_middleware(RateLimit, rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
     app.add_middleware(CountRequests)
+    app.add_middleware(AnswerErrors)
     return app
 
 
@@ -144,6 +150,17 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
             message = f"{message}: {e.get('ctx', {}).get('error', 'not valid JSON')} (at character {e['loc'][-1]})"
         detail.append({"loc": list(e["loc"]), "field": field, "msg": message, "type": e["type"]})
     return JSONResponse({"error": "validation", "detail": detail}, status_code=422)
+
+
+async def _database_error(request: Request, error: exc.SQLAlchemyError) -> JSONResponse:
+    """503 + Retry-After while the database is unreachable or times out; any other database error is a bug."""
+    reason = outage(error)
+    if reason is None:
+        raise error  # AnswerErrors logs it and answers 500
+    cause = getattr(error, "orig", None) or error
+    log.warning("%s %s: database %s: %s", request.method, request.url.path, reason, first_line(cause))
+    detail = f"the database is unavailable ({reason}); retry after the Retry-After header"
+    return await _monitor_error(request, DatabaseUnavailable(detail))
 
 
 HTTP_ERROR_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "too_large"}

@@ -391,7 +391,7 @@ def _run_worker(args: argparse.Namespace) -> Any:
     _configure_logging()
     if settings.auto_migrate:
         migrate(settings.resolved_database_url)
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, **settings.database_timeouts)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -15,7 +15,9 @@
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       └── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
+        └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
+Any other exception answers 500 ``internal_error`` in the same shape (``service.api.middleware``).
 Every error renders as ``{"error": code, "detail": what must hold and what was sent,
 "field": where, "index": which item}``; ``field`` is written as ``field_path`` writes it. An
 error with ``retry_after`` also sends a ``Retry-After`` header, the 401s and the scope 403 a
@@ -127,6 +129,18 @@ class Unavailable(MonitorError):
     retry_after: int = 5
     status = 503
     code = "queue_full"
+
+
+@dataclass
+class DatabaseUnavailable(Unavailable):
+    """The database cannot be reached or did not answer in time: retryable, nothing of the request kept.
+
+    A request that wrote nothing before the failure wrote nothing at all (one transaction), so
+    the client retries it as is; a replay of one whose commit did land is recognized as a replay.
+    """
+
+    retry_after: int = 2
+    code = "database_unavailable"
 
 
 def field_path(loc: Sequence[object]) -> str:

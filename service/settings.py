@@ -7,7 +7,7 @@ and the worker take a built ``Settings`` and never read the environment themselv
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -29,6 +29,18 @@ class Settings(BaseSettings):
         "Production: postgresql+psycopg://user@host/db.",
     )
     auto_migrate: bool = Field(True, description="Apply database migrations at startup.")
+    database_connect_timeout_seconds: int = Field(
+        3,
+        ge=2,
+        description="Postgres: longest wait for a new connection, and for a free pooled one (libpq counts whole "
+        "seconds, at least 2). Past it the API answers 503 database_unavailable with Retry-After.",
+    )
+    database_statement_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Longest one statement may run (Postgres statement_timeout; the client stops waiting for a "
+        "hung server a second later) or wait for another writer's lock (SQLite busy timeout). Past it: 503.",
+    )
 
     default_scorer: str = Field("smollm2-135m", description="Scorer of runs that name none.")
     scorers: dict[str, str] = Field(
@@ -160,6 +172,14 @@ class Settings(BaseSettings):
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'collapse-monitor.db').resolve()}"
+
+    @property
+    def database_timeouts(self) -> dict[str, Any]:
+        """make_engine's keyword arguments: the service's bounds on every wait for the database."""
+        return {
+            "connect_timeout_seconds": self.database_connect_timeout_seconds,
+            "statement_timeout_seconds": self.database_statement_timeout_seconds,
+        }
 
     @property
     def is_sqlite(self) -> bool:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.access import TokenCache
 from service.metrics import ServiceMetrics
+from service.readiness import DatabaseProbe
 from service.settings import Settings
 
 if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
@@ -30,6 +31,7 @@ class AppState:
     registry: CollectorRegistry
     metrics: ServiceMetrics
     tokens: TokenCache
+    database_probe: DatabaseProbe
     pool: ScorerPool | None = None  # only with an embedded worker
     scorer_ready: threading.Event = field(default_factory=threading.Event)
     scorer_error: str | None = None

@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState
 from scoring.scorer import Scorer
-from service.background import owner_id, poll
+from service.background import owner_id, poll, retry_through_outage
 from service.batch_scoring import score_rollouts
 from service.errors import MonitorError
 from service.recording import ScoredBatch, load_emas, record_step
@@ -29,6 +31,7 @@ from service.schemas import BatchIn
 from service.scorers import ScorerPool
 from service.settings import Settings
 from service.storage import queries
+from service.storage.database import outage
 from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
@@ -54,6 +57,7 @@ class Worker:
         self.pool = pool
         self.owner = owner_id()
         self._limits_recorded: set[str] = set()
+        self._leased_at = time.monotonic()
 
     def run(self, stop: threading.Event) -> None:
         """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty."""
@@ -62,6 +66,7 @@ class Worker:
 
     def run_once(self) -> bool:
         """Claims and scores one batch; False when there was nothing to claim."""
+        self._leased_at = time.monotonic()  # no later than the lease's start: bounds the finishing write's retries
         claimed = self._claim()
         if claimed is None:
             return False
@@ -72,17 +77,30 @@ class Worker:
         try:
             scored = self._score(claimed)
         except (MonitorError, ValueError) as e:
-            self._finish_failed(claimed, str(e))
+            reason = str(e)
+            self._finish(claimed, lambda: self._finish_failed(claimed, reason))
             return True
         except Exception as e:
             log.exception("worker %s: batch %s failed unexpectedly", self.owner, claimed.batch_id)
-            self._finish_failed(claimed, f"internal error while scoring: {type(e).__name__}: {e}")
+            reason = f"internal error while scoring: {type(e).__name__}: {e}"
+            self._finish(claimed, lambda: self._finish_failed(claimed, reason))
             return True
         finally:
             renewing.set()
             heartbeat.join()
-        self._finish_done(claimed, scored, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._finish(claimed, lambda: self._finish_done(claimed, scored, seconds))
         return True
+
+    def _finish(self, claimed: Claimed, write: Callable[[], None]) -> None:
+        """A finishing write, retried through a database outage for as long as the lease may still be ours.
+
+        Giving up would leave the batch to be scored again once its lease ran out (a minute). A
+        retry never writes twice: ``finish_batch`` writes only while this worker holds the batch,
+        and a try whose commit landed released it.
+        """
+        until = self._leased_at + self.settings.lease_seconds
+        retry_through_outage(write, until, log, f"worker {self.owner}: finishing batch {claimed.batch_id}")
 
     def _claim(self) -> Claimed | None:
         with self.sessions.begin() as session:
@@ -118,19 +136,31 @@ class Worker:
         """Lets ingest refuse token ids this scorer cannot score (once per scorer and process)."""
         if name in self._limits_recorded:
             return
-        with self.sessions.begin() as session:
-            queries.record_scorer_limits(session, name, scorer.vocab_size, scorer.max_positions)
+        try:
+            with self.sessions.begin() as session:
+                queries.record_scorer_limits(session, name, scorer.vocab_size, scorer.max_positions)
+        except SQLAlchemyError as e:
+            if outage(e) is None:
+                raise
+            return  # the database is down: the batch can still be scored; recorded with a later one
         self._limits_recorded.add(name)
 
     def _heartbeat(self, batch_id: str, done: threading.Event) -> None:
         while not done.wait(self.settings.lease_seconds / 3):
             try:
                 with self.sessions.begin() as session:
+                    renewed_at = time.monotonic()
                     if not queries.renew_lease(session, batch_id, self.owner, self.settings.lease_seconds):
                         log.warning("worker %s lost the lease of batch %s", self.owner, batch_id)
                         return
-            except Exception:
-                log.exception("worker %s: renewing the lease of batch %s failed", self.owner, batch_id)
+                self._leased_at = renewed_at
+            except Exception as e:
+                if outage(e) is None:
+                    log.exception("worker %s: renewing the lease of batch %s failed", self.owner, batch_id)
+                else:
+                    log.warning(
+                        "worker %s: renewing the lease of batch %s: database %s", self.owner, batch_id, outage(e)
+                    )
 
     def _finish_done(self, claimed: Claimed, scored: ScoredBatch, seconds: float) -> None:
         with self.sessions.begin() as session:

@@ -7,8 +7,10 @@ the documented error shape and are counted like the handlers' own.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
+import uuid
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -18,6 +20,41 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.errors import InvalidRequest, MonitorError, TooLarge, TooManyRequests
 from service.rate_limit import TokenBuckets
+
+log = logging.getLogger("collapse_monitor.api")
+
+
+class AnswerErrors:
+    """Answers any exception the handlers let through with a JSON 500 in the documented shape.
+
+    Starlette's own last resort answers plain text and re-raises, and the server then drops the
+    keep-alive connection; here the exception ends with this request. The traceback is logged
+    under an id that the answer names.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            error_id = uuid.uuid4().hex[:12]
+            log.exception("error %s answering %s %s", error_id, scope["method"], scope["path"])
+            if started:  # half an answer is out: only dropping the connection tells the client
+                raise
+            detail = f"the server failed to answer this request (error {error_id}, logged with its traceback)"
+            await JSONResponse(MonitorError(detail).body(), status_code=500)(scope, _drain, send)
 
 
 class CountRequests:
