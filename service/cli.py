@@ -140,7 +140,9 @@ def _build_parser() -> _Parser:
     create.add_argument("--name", help="who or what holds it (shown by list)")
     _database_flags(create)
     create.set_defaults(command=_run_tokens_create)
-    listing = token_commands.add_parser("list", help="every token, revoked ones included (never the secrets)")
+    listing = token_commands.add_parser(
+        "list", help="every token, revoked ones included, with the runs it created (never the secrets)"
+    )
     _database_flags(listing)
     listing.set_defaults(command=_run_tokens_list)
     revoke = token_commands.add_parser("revoke", help="revoke a token (API processes notice within seconds)")
@@ -254,7 +256,10 @@ def _run_tokens_list(args: argparse.Namespace) -> Any:
     from service.storage import tokens
 
     with _sessions(args) as sessions, sessions() as session:
-        return [_token_document(t) for t in tokens.list_tokens(session)]
+        return [
+            {**_token_document(t), "runs_created": tokens.runs_created_by(session, t.id)}
+            for t in tokens.list_tokens(session)
+        ]
 
 
 def _run_tokens_revoke(args: argparse.Namespace) -> Any:
