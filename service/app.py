@@ -90,7 +90,10 @@ def create_app(settings: Settings) -> FastAPI:
     app = FastAPI(
         title="collapse-monitor",
         version="0.1.0",
-        description="Template-collapse diagnostics (RAGEN-2) for agentic RL training runs.",
+        description="Template-collapse diagnostics (RAGEN-2) for agentic RL training runs.\n\n"
+        "Once the server has API tokens, writes need `Authorization: Bearer <token>` (an ingest token for the "
+        "run's name prefix, or an admin token); reads and /metrics need one when the server is configured so. "
+        "Refusals answer 401 or 403 in the usual error shape (docs/api.md, API tokens).",
         lifespan=lifespan,
     )
     app.include_router(runs.router)

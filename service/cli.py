@@ -14,7 +14,7 @@
                                                  API tokens (create prints the secret once)
     collapse-monitor purge   [--older-than-days N] [--database-url URL]
                                                  purge stored payloads of finished batches older than N days
-    collapse-monitor demo    [--url URL] [--steps N]
+    collapse-monitor demo    [--url URL] [--steps N] [--token TOKEN]
                                                  feed a running server a simulated run that collapses
     collapse-monitor dashboards push --url URL --token TOKEN
                                                  upload the Grafana dashboards
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -139,7 +140,9 @@ def _build_parser() -> _Parser:
     create.add_argument("--name", help="who or what holds it (shown by list)")
     _database_flags(create)
     create.set_defaults(command=_run_tokens_create)
-    listing = token_commands.add_parser("list", help="every token, revoked ones included (never the secrets)")
+    listing = token_commands.add_parser(
+        "list", help="every token, revoked ones included, with the runs it created (never the secrets)"
+    )
     _database_flags(listing)
     listing.set_defaults(command=_run_tokens_list)
     revoke = token_commands.add_parser("revoke", help="revoke a token (API processes notice within seconds)")
@@ -159,6 +162,11 @@ def _build_parser() -> _Parser:
     demo.add_argument("--run", default="demo-sokoban", help="run name (default demo-sokoban)")
     demo.add_argument("--steps", type=int, default=24, help="training steps to send (default 24)")
     demo.add_argument("--collapse-start", type=int, default=10, help="step where collapse sets in (default 10)")
+    demo.add_argument(
+        "--token",
+        default=os.environ.get("COLLAPSE_MONITOR_TOKEN"),
+        help="an API token that may write the run, once the server has tokens (default: $COLLAPSE_MONITOR_TOKEN)",
+    )
     demo.set_defaults(command=_run_demo)
 
     dashboards = commands.add_parser("dashboards", help="Grafana dashboards")
@@ -187,7 +195,7 @@ def _run_demo(args: argparse.Namespace) -> Any:
     from service.demo import run_demo
 
     try:
-        run_demo(args.url.rstrip("/"), args.run, args.steps, args.collapse_start, report=print)
+        run_demo(args.url.rstrip("/"), args.run, args.steps, args.collapse_start, report=print, token=args.token)
     except (OSError, RuntimeError) as e:
         raise UsageError(f"demo: {e}") from e
     return None
@@ -248,7 +256,10 @@ def _run_tokens_list(args: argparse.Namespace) -> Any:
     from service.storage import tokens
 
     with _sessions(args) as sessions, sessions() as session:
-        return [_token_document(t) for t in tokens.list_tokens(session)]
+        return [
+            {**_token_document(t), "runs_created": tokens.runs_created_by(session, t.id)}
+            for t in tokens.list_tokens(session)
+        ]
 
 
 def _run_tokens_revoke(args: argparse.Namespace) -> Any:

@@ -14,6 +14,7 @@ import random
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from typing import Any
 
 from service.schemas import BatchStatus
@@ -83,9 +84,10 @@ def rollouts(
     return out
 
 
-def _call(url: str, method: str = "GET", body: Any = None) -> tuple[int, Any]:
+def _call(url: str, method: str = "GET", body: Any = None, token: str | None = None) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    headers = {"content-type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read() or b"null")
@@ -102,9 +104,13 @@ def run_demo(
     per_group: int = 4,
     seed: int = 0,
     report: Any = print,
+    token: str | None = None,
 ) -> list[BatchStatus]:
-    """Feeds ``steps`` batches and reports each step's diagnostics once scored; returns the statuses."""
-    status, body = _call(
+    """Feeds ``steps`` batches and reports each step's diagnostics once scored; returns the statuses.
+
+    ``token``: an API token that may write the run (once the server has tokens)."""
+    call = partial(_call, token=token)
+    status, body = call(
         f"{url}/v1/runs",
         "POST",
         {
@@ -124,17 +130,17 @@ def run_demo(
             "batch_id": f"{run}-{step}",
             "trajectories": rollouts(step, steps, collapse_start, groups, per_group, seed),
         }
-        status, accepted = _call(f"{url}/v1/runs/{run}/batches", "POST", payload)
+        status, accepted = call(f"{url}/v1/runs/{run}/batches", "POST", payload)
         if status != 202:
             raise RuntimeError(f"step {step} was refused ({status}): {accepted}")
         while True:
-            _, batch = _call(f"{url}{accepted['status_url']}")
+            _, batch = call(f"{url}{accepted['status_url']}")
             if batch["status"] in ("done", "failed"):
                 break
             time.sleep(0.2)
         statuses.append(BatchStatus.model_validate(batch))
         report(summary(step, statuses[-1]))
-    _, alerts = _call(f"{url}/v1/runs/{run}/alerts")
+    _, alerts = call(f"{url}/v1/runs/{run}/alerts")
     report(f"alerts on {run}: {len(alerts)}" if alerts else f"no alerts on {run}")
     for alert in alerts:
         report(f"  [{alert['state']}] {alert['summary']}")

@@ -55,7 +55,7 @@ def test_without_a_valid_token_batches_wait_in_the_spool_for_a_monitor_that_has_
     assert not anonymous.flush(3)
     stats = anonymous.stats()
     assert (stats.sent, stats.rejected, stats.spooled) == (0, 0, 1)
-    assert stats.last_error.startswith("401: unauthorized: this request needs an API token")
+    assert (stats.last_error or "").startswith("401: unauthorized: this request needs an API token")
     assert not anonymous.close(1)
 
     with pytest.raises(MonitorError, match="403: insufficient_scope: this ingest token may write runs whose name"):

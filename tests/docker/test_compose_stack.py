@@ -238,8 +238,10 @@ def test_a_token_created_in_the_stack_guards_its_writes(stack):
     )
     token = json.loads(created.stdout)["token"]
     with httpx.Client(base_url=stack.api, timeout=30) as api:
-        # The API process notices a new token within token_cache_seconds.
-        wait_until(lambda: api.post("/v1/runs", json={"name": "docker-guarded"}).status_code == 401, 30, "a 401")
+        # The API process notices a new token within token_cache_seconds. The probe writes nothing either
+        # way: without tokens its empty body is a 422, with them the missing token is refused first.
+        wait_until(lambda: api.post("/v1/runs/docker-guarded/matrices", json={}).status_code == 401, 30, "a 401")
+        assert api.post("/v1/runs", json={"name": "docker-guarded"}).status_code == 401
         guarded = api.post("/v1/runs", json={"name": "docker-guarded"}, headers={"Authorization": f"Bearer {token}"})
         assert guarded.status_code == 201, guarded.text
         assert api.get("/v1/runs/docker-guarded").status_code == 200  # reads stay open by default

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 
 import httpx
 import pytest
 
+from service.demo import run_demo
 from tests.e2e.conftest import BIN, free_port, need, service_env, start_service, wait_until
 from tests.fixtures import dependence_matrix
 
@@ -58,6 +60,13 @@ def test_serve_refuses_a_non_loopback_bind_without_tokens_unless_told_or_a_token
         )
         assert accepted.status_code == 201
         assert api.get("/v1/runs/open").json()["last_step"] == 1  # reads stay open by default
+    demo = functools.partial(
+        run_demo, secured, "demo-guarded", steps=2, collapse_start=1, groups=2, per_group=2, report=lambda _: None
+    )
+    with pytest.raises(RuntimeError, match=r"creating the run failed \(401\)"):
+        demo()
+    statuses = demo(token=token)
+    assert [s.status for s in statuses] == ["done", "done"]
 
 
 def test_prometheus_scrapes_metrics_that_need_a_token_with_a_read_token_from_a_file(tmp_path, processes):

@@ -55,9 +55,9 @@ def test_tokens_are_created_once_listed_without_secrets_and_revoked(database_url
 
     code, listed, _ = cli("tokens", "list", "--database-url", database_url)
     assert code == 0
-    assert [(t["id"], t["scope"], t["run_prefix"], t["hint"], t["revoked_at"]) for t in listed] == [
-        (1, "ingest", "team-a-", secret[:8], None),
-        (2, "admin", "", admin["token"][:8], None),
+    assert [(t["id"], t["scope"], t["run_prefix"], t["hint"], t["revoked_at"], t["runs_created"]) for t in listed] == [
+        (1, "ingest", "team-a-", secret[:8], None, 0),
+        (2, "admin", "", admin["token"][:8], None, 0),
     ]
     assert secret not in json.dumps(listed)
 

@@ -1,0 +1,43 @@
+"""The pure parts of access: loopback addresses, what a token may write, token digests."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from service.access import Token, digest, is_loopback
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("192.168.1.5", False),
+        ("monitor.internal", False),  # a name may resolve to anything
+        ("", False),
+    ],
+)
+def test_only_loopback_addresses_count_as_loopback(host, loopback):
+    assert is_loopback(host) is loopback
+
+
+def token(scope: str, prefix: str = "") -> Token:
+    return Token(id=1, scope=scope, run_prefix=prefix, name=None, hint="cm_abcde", is_revoked=False)
+
+
+def test_an_ingest_token_writes_the_runs_of_its_prefix_and_an_admin_any():
+    assert token("ingest", "team-a-").may_write("team-a-grpo")
+    assert not token("ingest", "team-a-").may_write("team-b-grpo")
+    assert token("ingest").may_write("anything")
+    assert token("admin").may_write("anything")
+    assert not token("read").may_write("anything")
+
+
+def test_the_digest_is_the_sha256_of_the_token():
+    assert digest("cm_x") == hashlib.sha256(b"cm_x").hexdigest()
