@@ -100,6 +100,12 @@ class TokenCache:
             self._any_active = (now, found)
         return found
 
+    def known(self, secret: str) -> bool:
+        """Whether ``secret`` was looked up as an issued token (expired entries too; never a query)."""
+        with self._lock:
+            cached = self._tokens.get(digest(secret))
+        return cached is not None and cached[1] is not None
+
     def lookup(self, secret: str) -> Token | None:
         key = digest(secret)
         now = time.monotonic()

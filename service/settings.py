@@ -82,7 +82,7 @@ class Settings(BaseSettings):
     rate_limit_per_second: float = Field(
         50.0,
         ge=0,
-        description="Requests per second one client (its token, else its address) may send to /v1/; beyond it "
+        description="Requests per second one client (its issued token, else its address) may send to /v1/; beyond it "
         "429 with Retry-After. 0 turns the limit off.",
     )
     rate_limit_burst: int = Field(200, ge=1, description="Requests a client may send at once above that rate.")

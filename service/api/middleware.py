@@ -160,8 +160,9 @@ async def _drain() -> MutableMapping[str, Any]:
 class RateLimit:
     """429 + Retry-After for a client over ``rate`` requests per second (bursts up to ``burst``).
 
-    A client is its bearer token when it sends one, else its address. Only the API is limited:
-    health checks, Prometheus scrapes and the pages' static files are not.
+    A client is its bearer token once that token is known as one this service issued, else its
+    address: made-up tokens share their sender's bucket, so they cannot buy a fresh burst each.
+    Only the API is limited: health checks, Prometheus scrapes and the pages' static files are not.
     """
 
     def __init__(self, app: ASGIApp, rate: float, burst: int) -> None:
@@ -183,8 +184,10 @@ class RateLimit:
 
 
 def _client(scope: Scope) -> str:
-    authorization = dict(scope.get("headers", [])).get(b"authorization")
-    if authorization:  # the secret itself is never kept, only a digest of it
-        return "token:" + hashlib.sha256(authorization).hexdigest()[:16]
+    scheme, _, secret = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1").partition(" ")
+    state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
+    if scheme.lower() == "bearer" and state is not None and state.tokens.known(secret.strip()):
+        # The secret itself is never kept, only a digest of it.
+        return "token:" + hashlib.sha256(secret.strip().encode()).hexdigest()[:16]
     client = scope.get("client")
     return f"address:{client[0] if client else 'unknown'}"

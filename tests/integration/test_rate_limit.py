@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from service.access import issue_token
+
 pytestmark = pytest.mark.integration
 
 
@@ -18,11 +20,30 @@ def test_a_client_over_its_rate_gets_429_and_others_do_not(tmp_path, client_for)
     assert refused.json()["error"] == "rate_limited"
     assert client.get("/healthz").status_code == 200
     assert client.get("/metrics").status_code == 200
-    other = client.get("/v1/runs", headers={"authorization": "Bearer some-token"})
-    assert other.status_code == 200  # another client: its token is its key
-    assert 'collapse_monitor_rejections_total{reason="rate_limited"} 1.0' in client.get("/metrics").text
+    made_up = client.get("/v1/runs", headers={"authorization": "Bearer some-token"})
+    assert made_up.status_code == 429  # a token this service never issued buys no bucket of its own
+    assert 'collapse_monitor_rejections_total{reason="rate_limited"} 2.0' in client.get("/metrics").text
 
 
 def test_a_zero_rate_turns_the_limit_off(tmp_path, client_for):
     client = client_for(f"sqlite:///{tmp_path / 'm.db'}", scoring_paused=True, rate_limit_per_second=0)
     assert {client.get("/v1/runs").status_code for _ in range(300)} == {200}
+
+
+def test_each_issued_token_is_a_client_of_its_own(tmp_path, client_for):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    client = client_for(
+        url, scoring_paused=True, rate_limit_per_second=0.5, rate_limit_burst=2, require_token_for_reads=True
+    )
+    with client.app.state.monitor.sessions.begin() as session:
+        first, second = (issue_token(session, "read").secret for _ in range(2))
+    # A token's first request is charged to its address, until the service has looked the token up.
+    assert client.get("/v1/runs", headers={"authorization": f"Bearer {first}"}).status_code == 200
+    assert [client.get("/v1/runs", headers={"authorization": f"Bearer {first}"}).status_code for _ in range(3)] == [
+        200,
+        200,
+        429,
+    ]
+    assert client.get("/v1/runs", headers={"authorization": f"Bearer {second}"}).status_code == 200
+    assert client.get("/v1/runs", headers={"authorization": f"Bearer {second}"}).status_code == 200
+    assert client.get("/v1/runs").status_code == 429  # the address spent its burst on the two first requests
