@@ -1,18 +1,28 @@
 """The scoring worker: claims queued batches, scores them, writes each batch's results at once.
 
 Durability: a batch is claimed under a lease that a heartbeat renews while it is scored. If the
-worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times). A
-batch's metric points, EMA states, status and results are written in one transaction, and only
-while this worker still holds the lease, so every batch is scored exactly once. A batch that
-cannot be scored (bad content, longer than the scorer's context) is marked failed with its reason
-and blocks nothing else. Must not import fastapi.
+worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times); a
+worker restarted under the same name (``background.worker_identity``) puts its predecessor's
+batches back at once instead. A batch's metric points, EMA states, status and results are written
+in one transaction, and only while this worker still holds the lease, so every batch is scored
+exactly once.
+
+Failures: a batch that cannot be scored or stored (bad content, longer than the scorer's context,
+a checkpoint that does not load, results the database refuses, longer than
+``max_scoring_seconds``) is marked failed at once with its reason and blocks nothing else, since
+another try would fail the same way. Only an interruption is retried: a crash (the lease), a
+shutdown (released at the next layer, not counted as an attempt), the database going away
+(left leased and released, uncounted, by the next round that reaches the database). Must not
+import fastapi.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState
 from scoring.scorer import Scorer
-from service.background import owner_id, poll
+from service.background import lease_owner, poll, worker_identity
 from service.batch_scoring import score_rollouts
 from service.errors import MonitorError
 from service.recording import ScoredBatch, load_emas, record_step
@@ -29,14 +39,31 @@ from service.schemas import BatchIn
 from service.scorers import ScorerPool
 from service.settings import Settings
 from service.storage import queries
+from service.storage.database import is_unavailable
 from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
 
 
+class Interrupted(Exception):
+    """Raised between layers of a scoring to abandon it; the subclass says why."""
+
+
+class ShuttingDown(Interrupted):
+    """The worker was asked to stop: the batch goes back to the queue, no attempt counted."""
+
+
+class LeaseLost(Interrupted):
+    """Another worker holds the batch now (this one was presumed dead): nothing to write."""
+
+
+class TimeLimit(Interrupted):
+    """The batch ran past ``max_scoring_seconds``: it fails with this message."""
+
+
 @dataclass(frozen=True)
 class Claimed:
-    """A claimed batch and everything scoring it needs, read in the claiming transaction."""
+    """A claimed batch and everything scoring it needs, read after the claim was committed."""
 
     batch_id: str
     step: int
@@ -52,43 +79,137 @@ class Worker:
         self.sessions = sessions
         self.settings = settings
         self.pool = pool
-        self.owner = owner_id()
+        self.name, self._slot = worker_identity(settings.data_dir, settings.worker_name)
+        self.owner = lease_owner(self.name)
+        self.stop = threading.Event()
         self._limits_recorded: set[str] = set()
+        # Leases to put back before the next claim: a dead predecessor's (at start), and this
+        # worker's own after a round the database broke off.
+        self._release_predecessors = True
+        self._release_own = False
 
     def run(self, stop: threading.Event) -> None:
-        """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty."""
+        """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty.
+
+        Setting ``stop`` also abandons the batch being scored at its next layer and puts it back
+        in the queue, so a shutdown takes seconds, not the rest of a long batch.
+        """
+        self.stop = stop
         log.info("worker %s started", self.owner)
-        poll(self.run_once, stop, self.settings.worker_poll_seconds, log, f"worker {self.owner}")
+        try:
+            poll(self.run_once, stop, self.settings.worker_poll_seconds, log, f"worker {self.owner}")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Gives up this worker's name (a later worker of this host may take it)."""
+        if self._slot is not None:
+            os.close(self._slot)
+            self._slot = None
 
     def run_once(self) -> bool:
         """Claims and scores one batch; False when there was nothing to claim."""
-        claimed = self._claim()
-        if claimed is None:
+        self._release_leftovers()
+        if self.stop.is_set():
             return False
+        batch_id = self._claim()
+        if batch_id is None:
+            return False
+        lost = threading.Event()
         renewing = threading.Event()
-        heartbeat = threading.Thread(target=self._heartbeat, args=(claimed.batch_id, renewing), daemon=True)
+        heartbeat = threading.Thread(target=self._heartbeat, args=(batch_id, renewing, lost), daemon=True)
         heartbeat.start()
         start = time.perf_counter()
         try:
-            scored = self._score(claimed)
-        except (MonitorError, ValueError) as e:
-            self._finish_failed(claimed, str(e))
+            claimed = self._load(batch_id)
+            scored = self._score(claimed, self._interrupter(start, lost))
+        except ShuttingDown:
+            self._put_back(batch_id)
+            return True
+        except LeaseLost:
+            log.warning("worker %s: batch %s was taken over; abandoning it", self.owner, batch_id)
+            return True
+        except (MonitorError, ValueError) as e:  # TimeLimit is neither: handled below with the others
+            self._finish_failed(batch_id, str(e))
             return True
         except Exception as e:
-            log.exception("worker %s: batch %s failed unexpectedly", self.owner, claimed.batch_id)
-            self._finish_failed(claimed, f"internal error while scoring: {type(e).__name__}: {e}")
+            if is_unavailable(e):
+                self._release_own = True
+                raise
+            if not isinstance(e, TimeLimit):
+                log.exception("worker %s: batch %s failed unexpectedly", self.owner, batch_id)
+            reason = str(e) if isinstance(e, TimeLimit) else f"internal error while scoring: {type(e).__name__}: {e}"
+            self._finish_failed(batch_id, reason)
             return True
         finally:
             renewing.set()
             heartbeat.join()
-        self._finish_done(claimed, scored, time.perf_counter() - start)
+        try:
+            self._finish_done(claimed, scored, time.perf_counter() - start)
+        except Exception as e:
+            if is_unavailable(e):
+                self._release_own = True
+                raise
+            # The same rows would be refused again: a retry would only hold the run's later steps.
+            log.exception("worker %s: the results of batch %s could not be stored", self.owner, batch_id)
+            self._finish_failed(batch_id, f"scored, but the results could not be stored: {type(e).__name__}: {e}")
         return True
 
-    def _claim(self) -> Claimed | None:
+    def _interrupter(self, start: float, lost: threading.Event) -> Callable[[], None]:
+        """The check the kernel calls between layers: shutdown, a lost lease, the time limit."""
+        limit = self.settings.max_scoring_seconds
+
+        def check() -> None:
+            if self.stop.is_set():
+                raise ShuttingDown
+            if lost.is_set():
+                raise LeaseLost
+            elapsed = time.perf_counter() - start
+            if elapsed > limit:
+                raise TimeLimit(
+                    f"scoring was stopped after {elapsed:.1f} s: longer than max_scoring_seconds={limit:g}; "
+                    "send smaller batches (fewer groups, a smaller num_samples) or raise the limit"
+                )
+
+        return check
+
+    def _release_leftovers(self) -> None:
+        if not (self._release_own or self._release_predecessors):
+            return
+        with self.sessions.begin() as session:
+            # Own leases first: the predecessors' prefix (the name) matches them too, and they must not count.
+            own = queries.release_leases(session, self.owner, count_attempt=False) if self._release_own else []
+            dead = (
+                queries.release_leases(session, f"{self.name}#", count_attempt=True)
+                if self._release_predecessors
+                else []
+            )
+        self._release_own = self._release_predecessors = False
+        for batch_id in own:
+            log.info("worker %s: put batch %s back after a database outage", self.owner, batch_id)
+        for batch_id in dead:
+            log.warning(
+                "worker %s: batch %s was being scored when %s stopped; scoring it again",
+                self.owner,
+                batch_id,
+                self.name,
+            )
+
+    def _put_back(self, batch_id: str) -> None:
+        with self.sessions.begin() as session:
+            queries.release_leases(session, self.owner, count_attempt=False)
+        log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
+
+    def _claim(self) -> str | None:
         with self.sessions.begin() as session:
             batch = queries.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
-            if batch is None:
-                return None
+            return batch.id if batch is not None else None
+
+    def _load(self, batch_id: str) -> Claimed:
+        # Read after the claim's commit: a run or checkpoint that cannot be read fails its batch,
+        # where failing inside the claim would roll the claim back and retry it forever.
+        with self.sessions.begin() as session:
+            batch = session.get_one(Batch, batch_id)
             run = RunSnapshot.of(session.get_one(Run, batch.run_id))
             checkpoint = session.get(Checkpoint, batch.checkpoint_id) if batch.checkpoint_id else None
             return Claimed(
@@ -101,7 +222,7 @@ class Worker:
                 checkpoint_kind=checkpoint.kind if checkpoint else None,
             )
 
-    def _score(self, claimed: Claimed) -> ScoredBatch:
+    def _score(self, claimed: Claimed, check: Callable[[], None]) -> ScoredBatch:
         payload = BatchIn.model_validate_json(claimed.payload)
 
         def scorer() -> Scorer:
@@ -110,7 +231,7 @@ class Worker:
             self._record_limits(claimed.run.scorer, loaded)
             return loaded
 
-        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings)
+        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings, check)
         scored.checkpoint = claimed.checkpoint_path
         return scored
 
@@ -122,12 +243,13 @@ class Worker:
             queries.record_scorer_limits(session, name, scorer.vocab_size, scorer.max_positions)
         self._limits_recorded.add(name)
 
-    def _heartbeat(self, batch_id: str, done: threading.Event) -> None:
+    def _heartbeat(self, batch_id: str, done: threading.Event, lost: threading.Event) -> None:
         while not done.wait(self.settings.lease_seconds / 3):
             try:
                 with self.sessions.begin() as session:
                     if not queries.renew_lease(session, batch_id, self.owner, self.settings.lease_seconds):
                         log.warning("worker %s lost the lease of batch %s", self.owner, batch_id)
+                        lost.set()
                         return
             except Exception:
                 log.exception("worker %s: renewing the lease of batch %s failed", self.owner, batch_id)
@@ -153,7 +275,7 @@ class Worker:
             record_step(session, claimed.run, session.get_one(Batch, claimed.batch_id), scored, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
-    def _finish_failed(self, claimed: Claimed, reason: str) -> None:
+    def _finish_failed(self, batch_id: str, reason: str) -> None:
         with self.sessions.begin() as session:
-            queries.finish_batch(session, claimed.batch_id, self.owner, status="failed", error=reason)
-        log.warning("worker %s: batch %s failed: %s", self.owner, claimed.batch_id, reason)
+            queries.finish_batch(session, batch_id, self.owner, status="failed", error=reason)
+        log.warning("worker %s: batch %s failed: %s", self.owner, batch_id, reason)

@@ -75,3 +75,18 @@ def _is_ahead(config: Any, current: str, target: str) -> bool:
     if target == "head":
         return False
     return target in {rev.revision for rev in script.iterate_revisions(current, "base")} and target != current
+
+
+def is_unavailable(error: BaseException) -> bool:
+    """Whether ``error`` says the database could not be reached or answer in time, so that the
+    same statement may well succeed later, rather than that the statement or its data is wrong.
+
+    SQLAlchemy wraps both a refused connection and a statement timeout (and SQLite's "database is
+    locked", and a deadlock) in OperationalError; bad data comes as DataError, IntegrityError or a
+    StatementError raised before anything was sent.
+    """
+    from sqlalchemy import exc
+
+    if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, (exc.OperationalError, exc.InterfaceError, exc.TimeoutError, exc.DisconnectionError))

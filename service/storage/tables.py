@@ -73,6 +73,7 @@ class Run(Base):
     # arrive out of order before a later one was scored are still scored in step order.
     segment: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     claimed_step: Mapped[int | None] = mapped_column(Integer)  # newest step of the segment taken for scoring
+    last_claimed_at: Mapped[datetime | None] = mapped_column()  # workers serve the least recently claimed run first
 
 
 class Checkpoint(Base):
