@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -43,6 +44,8 @@ from service.storage.database import is_unavailable
 from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
+
+T = TypeVar("T")
 
 
 class Interrupted(Exception):
@@ -72,6 +75,32 @@ class Claimed:
     emas: dict[str, EmaState]
     checkpoint_path: str | None
     checkpoint_kind: str | None
+
+
+def checked(work: Callable[[], T], check: Callable[[], None]) -> T:
+    """``work()``, run in a daemon thread while ``check`` is called every 0.1 s.
+
+    Loading a model (seconds to a minute, converting a GGUF) has no layers to check between; an
+    exception from ``check`` leaves the load to finish in the background (into the pool, where
+    the next batch finds it) or to die with the process.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(work())
+        except BaseException as e:  # handed to the caller's thread below
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="scorer-load", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        check()
+        thread.join(0.1)
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class Worker:
@@ -227,7 +256,7 @@ class Worker:
 
         def scorer() -> Scorer:
             path = Path(claimed.checkpoint_path) if claimed.checkpoint_path else None
-            loaded = self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full")
+            loaded = checked(lambda: self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full"), check)
             self._record_limits(claimed.run.scorer, loaded)
             return loaded
 
