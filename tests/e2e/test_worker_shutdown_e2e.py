@@ -60,6 +60,7 @@ def test_sigterm_mid_scoring_exits_within_seconds_and_another_worker_scores_the_
     batch_id = long_run(base)
     first = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
     wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
+    time.sleep(3)  # past the model's load (interruptible too), into the forwards
     asked = time.monotonic()
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0, processes.log("worker-1")
@@ -80,7 +81,9 @@ def test_serve_with_its_embedded_worker_exits_within_seconds_of_sigterm_mid_scor
     serve = processes.running[-1]
     asked = time.monotonic()
     serve.send_signal(signal.SIGTERM)
-    assert serve.wait(timeout=60) == 0, processes.log("serve")
+    # uvicorn re-raises the signal once its shutdown is complete (a shell sees 143, systemd a clean stop).
+    assert serve.wait(timeout=60) in (0, -signal.SIGTERM), processes.log("serve")
+    assert "Application shutdown complete" in processes.log("serve")
     assert time.monotonic() - asked < 10
     assert f"batch {batch_id} is back in the queue" in processes.log("serve")
     base = start_service(processes, env)

@@ -167,3 +167,22 @@ def test_a_shutdown_abandons_the_batch_at_the_next_layer_and_puts_it_back_uncoun
     other.close()
     status = client.get(f"/v1/batches/{batch_id}").json()
     assert (status["status"], status["attempts"]) == ("done", 1)
+
+
+def test_a_checkpoint_that_does_not_load_fails_its_batch_at_once(database_url, paused, tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-5").mkdir(parents=True)
+    (root / "step-5" / "config.json").write_text('{"model_type": "llama"}')  # no weights, no tokenizer
+    client, sessions, settings = paused(database_url, checkpoint_root=root)
+    client.post("/v1/runs", json={"name": "p", "scorer_mode": "policy", "sampler": LIGHT_SAMPLER})
+    announced = client.post("/v1/runs/p/checkpoints", json={"path": "step-5", "kind": "full", "step": 5})
+    assert announced.status_code == 201
+    broken, later = post(client, "p", 6), post(client, "p", 7)
+    worker = Worker(sessions, settings, ScorerPool(settings))
+    assert worker.run_once()
+    status = client.get(f"/v1/batches/{broken}").json()
+    assert (status["status"], status["attempts"]) == ("failed", 1)
+    assert status["error"]
+    assert worker.run_once()  # the run's next step is not held behind it (it fails the same way here)
+    worker.close()
+    assert client.get(f"/v1/batches/{later}").json()["status"] == "failed"
