@@ -86,7 +86,8 @@ def test_a_batch_past_the_time_limit_fails_naming_the_limit_and_the_worker_goes_
     client.post("/v1/runs", json={"name": "r", "schedule": {"every": 2}, "sampler": LIGHT_SAMPLER})
     slow, unscheduled = post(client, "r", 1), post(client, "r", 3)  # step 3 runs no forward: within any limit
     worker = Worker(sessions, settings, ScorerPool(settings))
-    assert worker.run_once() and worker.run_once()
+    assert worker.run_once()
+    assert worker.run_once()
     worker.close()
     failed, done = (client.get(f"/v1/batches/{b}").json() for b in (slow, unscheduled))
     assert (failed["status"], failed["attempts"]) == ("failed", 1)
