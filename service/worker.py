@@ -144,6 +144,15 @@ class Worker:
         batch_id = self._claim()
         if batch_id is None:
             return False
+        try:
+            self._process(batch_id)
+        except Exception as e:
+            if is_unavailable(e):  # the batch stays leased to this worker: put it back once the database answers
+                self._release_own = True
+            raise
+        return True
+
+    def _process(self, batch_id: str) -> None:
         lost = threading.Event()
         renewing = threading.Event()
         heartbeat = threading.Thread(target=self._heartbeat, args=(batch_id, renewing, lost), daemon=True)
@@ -154,22 +163,15 @@ class Worker:
             scored = self._score(claimed, self._interrupter(start, lost))
         except ShuttingDown:
             self._put_back(batch_id)
-            return True
+            return
         except LeaseLost:
             log.warning("worker %s: batch %s was taken over; abandoning it", self.owner, batch_id)
-            return True
-        except (MonitorError, ValueError) as e:  # TimeLimit is neither: handled below with the others
-            self._finish_failed(batch_id, str(e))
-            return True
+            return
         except Exception as e:
             if is_unavailable(e):
-                self._release_own = True
                 raise
-            if not isinstance(e, TimeLimit):
-                log.exception("worker %s: batch %s failed unexpectedly", self.owner, batch_id)
-            reason = str(e) if isinstance(e, TimeLimit) else f"internal error while scoring: {type(e).__name__}: {e}"
-            self._finish_failed(batch_id, reason)
-            return True
+            self._finish_failed(batch_id, self._reason(batch_id, e))
+            return
         finally:
             renewing.set()
             heartbeat.join()
@@ -177,12 +179,17 @@ class Worker:
             self._finish_done(claimed, scored, time.perf_counter() - start)
         except Exception as e:
             if is_unavailable(e):
-                self._release_own = True
                 raise
             # The same rows would be refused again: a retry would only hold the run's later steps.
             log.exception("worker %s: the results of batch %s could not be stored", self.owner, batch_id)
             self._finish_failed(batch_id, f"scored, but the results could not be stored: {type(e).__name__}: {e}")
-        return True
+
+    def _reason(self, batch_id: str, error: Exception) -> str:
+        """Why a batch failed, for its ``error``: the message of an expected failure, else the exception."""
+        if isinstance(error, MonitorError | ValueError | TimeLimit):  # content, scorer limits, loading, time
+            return str(error)
+        log.exception("worker %s: batch %s failed unexpectedly", self.owner, batch_id, exc_info=error)
+        return f"internal error while scoring: {type(error).__name__}: {error}"
 
     def _interrupter(self, start: float, lost: threading.Event) -> Callable[[], None]:
         """The check the kernel calls between layers: shutdown, a lost lease, the time limit."""

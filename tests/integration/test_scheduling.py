@@ -3,11 +3,13 @@ failures failing at once, a restarted worker taking back its batch, a shutdown p
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select, update
+from sqlalchemy import create_engine, func, select, update
+from sqlalchemy.exc import OperationalError
 
 from service.app import create_app
 from service.scorers import ScorerPool
@@ -187,3 +189,35 @@ def test_a_checkpoint_that_does_not_load_fails_its_batch_at_once(database_url, p
     assert worker.run_once()  # the run's next step is not held behind it (it fails the same way here)
     worker.close()
     assert client.get(f"/v1/batches/{later}").json()["status"] == "failed"
+
+
+def test_a_database_error_never_fails_a_batch_the_next_round_puts_it_back_uncounted(tmp_path, paused):
+    url = f"sqlite:///{tmp_path / 'locked.db'}"
+    client, _, settings = paused(url, lease_seconds=300)
+    client.post("/v1/runs", json={"name": "r", "sampler": LIGHT_SAMPLER})
+    batch_id = post(client, "r", 1)
+    # The worker's own engine gives up on a locked database after 0.2 s (the app's waits 30 s).
+    engine = create_engine(url, connect_args={"timeout": 0.2})
+    sessions = make_sessions(engine)
+    worker = Worker(sessions, settings, ScorerPool(settings))
+    other = sqlite3.connect(tmp_path / "locked.db", isolation_level=None)
+
+    def lock_the_database(*_) -> None:  # another writer holds the database while the batch is scored
+        if not other.in_transaction:
+            other.execute("BEGIN EXCLUSIVE")
+
+    scorer = worker.pool.get("tiny-random")
+    hook = scorer.model.base_model.layers[0].register_forward_pre_hook(lock_the_database)
+    try:
+        with pytest.raises(OperationalError, match="database is locked"):
+            worker.run_once()  # the results could not be written: not the batch's fault
+    finally:
+        hook.remove()
+    assert client.get(f"/v1/batches/{batch_id}").json()["status"] == "scoring"  # still leased, not failed
+    other.execute("ROLLBACK")
+    other.close()
+    assert worker.run_once() is True  # puts it back (uncounted), claims it again, scores it
+    worker.close()
+    engine.dispose()
+    status = client.get(f"/v1/batches/{batch_id}").json()
+    assert (status["status"], status["attempts"]) == ("done", 1)
