@@ -40,7 +40,7 @@ from service.schemas import BatchIn
 from service.scorers import ScorerPool
 from service.settings import Settings
 from service.storage import queries
-from service.storage.database import is_unavailable
+from service.storage.database import outage
 from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
@@ -147,7 +147,7 @@ class Worker:
         try:
             self._process(batch_id)
         except Exception as e:
-            if is_unavailable(e):  # the batch stays leased to this worker: put it back once the database answers
+            if outage(e) is not None:  # the batch stays leased to this worker: put it back once the database answers
                 self._release_own = True
             raise
         return True
@@ -168,7 +168,7 @@ class Worker:
             log.warning("worker %s: batch %s was taken over; abandoning it", self.owner, batch_id)
             return
         except Exception as e:
-            if is_unavailable(e):
+            if outage(e) is not None:
                 raise
             self._finish_failed(batch_id, self._reason(batch_id, e))
             return
@@ -178,7 +178,7 @@ class Worker:
         try:
             self._finish_done(claimed, scored, time.perf_counter() - start)
         except Exception as e:
-            if is_unavailable(e):
+            if outage(e) is not None:
                 raise
             # The same rows would be refused again: a retry would only hold the run's later steps.
             log.exception("worker %s: the results of batch %s could not be stored", self.owner, batch_id)

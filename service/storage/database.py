@@ -77,16 +77,19 @@ def _is_ahead(config: Any, current: str, target: str) -> bool:
     return target in {rev.revision for rev in script.iterate_revisions(current, "base")} and target != current
 
 
-def is_unavailable(error: BaseException) -> bool:
-    """Whether ``error`` says the database could not be reached or answer in time, so that the
-    same statement may well succeed later, rather than that the statement or its data is wrong.
+def outage(error: BaseException) -> str | None:
+    """Why ``error`` means the database is unavailable, or None when it is a fault of the query or its data.
 
-    SQLAlchemy wraps both a refused connection and a statement timeout (and SQLite's "database is
-    locked", and a deadlock) in OperationalError; bad data comes as DataError, IntegrityError or a
-    StatementError raised before anything was sent.
+    SQLAlchemy wraps a refused or dropped connection, a statement timeout, SQLite's "database is
+    locked" and a deadlock in OperationalError (or InterfaceError); a later try can succeed. Bad
+    data comes as DataError, IntegrityError, or a StatementError raised before anything was sent.
     """
     from sqlalchemy import exc
 
-    if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
-        return True
-    return isinstance(error, (exc.OperationalError, exc.InterfaceError, exc.TimeoutError, exc.DisconnectionError))
+    if isinstance(error, exc.TimeoutError):
+        return "timed out: no database connection came free in time"
+    if isinstance(error, exc.DBAPIError) and (
+        error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError)
+    ):
+        return "unreachable, busy or too slow"
+    return None
