@@ -67,8 +67,9 @@ class Settings(BaseSettings):
     max_scoring_seconds: float = Field(
         600.0,
         gt=0,
-        description="Scoring time limit of one batch: past it the batch is stopped at its next layer and marked "
-        "failed with a reason naming this limit, and the worker goes on with the next batch.",
+        description="Scoring time limit of one batch, counted from its claim (a model load included): past it the "
+        "batch is stopped at its next layer and marked failed with a reason naming this limit, and the worker goes "
+        "on with the next batch.",
     )
     worker_name: str = Field(
         "",
