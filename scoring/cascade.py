@@ -18,6 +18,7 @@ the model behaves exactly as before for ordinary forwards. Must not import servi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +46,14 @@ class CascadePlan:
     """What one forward's attention layers see besides each sequence's own tokens.
 
     With ``record`` set, each layer's new keys and values [B, kv_heads, Q, head_dim] are kept in
-    ``recorded`` so that they can serve as segments of later forwards.
+    ``recorded`` so that they can serve as segments of later forwards. ``check``, when given, is
+    called at every layer; an exception it raises abandons the forward (a deadline, a shutdown).
     """
 
     segments: list[Segment]
     record: bool = False
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    check: Callable[[], None] | None = None
 
 
 def install(model: Any) -> None:
@@ -101,6 +104,9 @@ def _cascade_or(fallback: Any) -> Any:
         for feature in ("softcap", "sliding_window", "s_aux", "position_bias"):
             if kwargs.get(feature) is not None:
                 raise UnsupportedAttention(f"cascade attention does not implement {feature}")
+        if cascade.check is not None:
+            # Per layer, not per forward: one forward of max_batch_tokens can take a minute on a CPU.
+            cascade.check()
         layer = int(module.layer_idx)  # type: ignore[arg-type]  # set on every HF attention module
         if cascade.record:
             cascade.recorded[layer] = (key, value)

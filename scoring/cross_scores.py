@@ -15,7 +15,7 @@ Must not import service/.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,18 +55,23 @@ class CrossScores:
         return per_token(self.L_seq, self.reasoning_lengths)
 
 
-def score_batch(scorer: Scorer, batch: ScoringBatch, config: ScoringConfig) -> CrossScores:
+def score_batch(
+    scorer: Scorer, batch: ScoringBatch, config: ScoringConfig, check: Callable[[], None] | None = None
+) -> CrossScores:
     """Scores every reasoning row of ``batch`` under every column prompt.
 
     Naive equivalent (``scoring.reference.score_batch_naive``): for each column j and row r, one
     forward of [x_j ; z_r] and ``sum_t log_softmax(logits[|x_j| - 1 + t] / tau)[z_r[t]]``.
     Results do not depend on batch size, row order or padding beyond float rounding.
+
+    ``check`` is called at every layer of every forward and before every vocabulary chunk; an
+    exception it raises abandons the batch and propagates (the caller's time limit or shutdown).
     """
     prompts, prompt_of_column = _distinct_prompts(batch.column_prompts)
     prompt_of_row = prompt_of_column[np.asarray(batch.column_of_row)]  # [R]
     _check_lengths(scorer, batch, prompts, config.max_batch_tokens)
     install(scorer.model)
-    run = _Run(scorer, config, batch.reasonings, prompt_of_row, n_prompts=len(prompts))
+    run = _Run(scorer, config, batch.reasonings, prompt_of_row, len(prompts), check)
     with torch.inference_mode():
         prefix_len = _shared_prefix_length(prompts)
         prefix = run.encode_prefix(prompts[0][:prefix_len])
@@ -99,6 +104,7 @@ def token_logprobs(
     want_entropy: torch.Tensor,
     temperature: float,
     chunk_tokens: int,
+    check: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token, and the entropy where asked, chunk by chunk.
 
@@ -109,6 +115,7 @@ def token_logprobs(
         want_entropy: [M] bool, where to compute the entropy of the full distribution.
         temperature: logits are divided by it.
         chunk_tokens: rows projected onto the vocabulary at a time.
+        check: called before each chunk; an exception it raises abandons the work.
 
     Returns:
         ([M] float64 log p(target) in nats, [M] float64 entropy in nats, NaN where not asked).
@@ -117,6 +124,8 @@ def token_logprobs(
     logp = torch.empty(hidden.shape[0], dtype=torch.float64, device=hidden.device)
     entropy = torch.full_like(logp, float("nan"))
     for start in range(0, hidden.shape[0], chunk_tokens):
+        if check is not None:
+            check()
         end = min(start + chunk_tokens, hidden.shape[0])
         lp = scaled_log_softmax(head(hidden[start:end]), temperature)  # [chunk, V]
         logp[start:end] = lp.gather(1, targets[start:end, None]).squeeze(1).double()
@@ -136,6 +145,7 @@ class _Run:
         reasonings: Sequence[Tokens],
         prompt_of_row: np.ndarray,
         n_prompts: int,
+        check: Callable[[], None] | None,
     ) -> None:
         self.base = scorer.model.base_model
         self.head = scorer.model.get_output_embeddings()
@@ -143,6 +153,7 @@ class _Run:
         self.config = config
         self.reasonings = reasonings
         self.prompt_of_row = prompt_of_row
+        self.check = check
         self.L = np.zeros((len(reasonings), n_prompts), dtype=np.float64)  # [R, U]
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
         self.tokens_processed = 0
@@ -151,6 +162,7 @@ class _Run:
         self, sequences: Sequence[Tokens], start_positions: Sequence[int], plan: CascadePlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs right-padded ``sequences`` with ``plan``; returns hidden [B, Q, H] and the valid mask [B, Q]."""
+        plan.check = self.check
         ids, mask = _pad(sequences, self.device)
         positions = torch.tensor(start_positions, device=self.device)[:, None] + torch.arange(
             ids.shape[1], device=self.device
@@ -235,6 +247,7 @@ class _Run:
             matched[:, None].expand_as(valid)[valid],
             self.config.temperature,
             self.config.logits_chunk_tokens,
+            self.check,
         )
         per_position = torch.zeros(valid.shape, dtype=torch.float64, device=self.device)
         per_position[valid] = logp

@@ -5,6 +5,7 @@ Must not import fastapi.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -12,11 +13,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from service.storage.database import first_line, outage
 
 T = TypeVar("T")
+MAX_WORKER_SLOTS = 1024
 
 
 def owner_id() -> str:
@@ -33,6 +36,44 @@ MAX_RETRY_SECONDS = 2.0
 def retry_delay(failures: int) -> float:
     """Seconds to wait after ``failures`` consecutive failed rounds (1, 2, ...)."""
     return float(min(FIRST_RETRY_SECONDS * 2 ** (failures - 1), MAX_RETRY_SECONDS))
+
+
+def worker_identity(data_dir: Path, configured: str) -> tuple[str, int | None]:
+    """A worker's name, stable across restarts, and the descriptor of the lock that makes it its own.
+
+    ``configured`` (the ``worker_name`` setting) is taken as is. Otherwise the name is host:N, N
+    the lowest slot of this host whose lock file under ``<data_dir>/worker-slots`` no living
+    process holds: flock locks die with their process (SIGKILL included), so a restarted worker
+    takes the name of one that died and can re-claim its batches at once, while two living
+    workers sharing the data folder never share a name. Without a writable data folder the name
+    is unique per process (host:pid), and a crashed worker's batch waits out its lease.
+    """
+    if configured:
+        return configured, None
+    host = socket.gethostname()
+    folder = data_dir / "worker-slots"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for slot in range(MAX_WORKER_SLOTS):
+            fd = os.open(folder / f"{slot}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return f"{host}:{slot}", fd
+    except OSError as e:
+        logging.getLogger("collapse_monitor.worker").warning("no worker slot under %s (%s): named by pid", folder, e)
+    return f"{host}:pid{os.getpid()}", None
+
+
+def lease_owner(name: str) -> str:
+    """The owner a worker's leases are held under: its stable name, then # and this process's nonce.
+
+    Leases are renewed and finished only under the exact owner, so even two processes given
+    the same name never both finish one batch; the name alone finds a dead predecessor's leases.
+    """
+    return f"{name}#{uuid.uuid4().hex[:8]}"
 
 
 def poll(work: Callable[[], bool], stop: threading.Event, idle_seconds: float, log: logging.Logger, what: str) -> None:

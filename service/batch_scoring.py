@@ -33,8 +33,11 @@ def score_rollouts(
     emas: dict[str, EmaState],
     get_scorer: Callable[[], Scorer],
     settings: Settings,
+    check: Callable[[], None] | None = None,
 ) -> ScoredBatch:
     """Reward/SNR and coverage figures for every batch; cross-scoring diagnostics on scheduled steps.
+
+    ``check`` goes to the kernel, which calls it between layers (the worker's time limit and shutdown).
 
     A scheduled step counts as scored only when some sampler produced metrics: a batch whose
     turns carry no reasoning says so in ``skipped_reason`` instead.
@@ -68,7 +71,7 @@ def score_rollouts(
         if rows is None:
             scored.skip_sampler(sampler, "no turn carries reasoning to score")
             continue
-        cross = score_batch(scorer, rows.batch, config)
+        cross = score_batch(scorer, rows.batch, config, check)
         scored.tokens += cross.tokens_processed
         labels = _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload)
         diagnostics, ema = compute_diagnostics(

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from scoring import Scorer, load_scorer
+from scoring.scorer import ModelLoadError
 from service.errors import InvalidRequest
 from service.settings import Settings
 
@@ -34,7 +35,17 @@ class ScorerPool:
             if key in self._loaded:
                 self._loaded.move_to_end(key)
                 return self._loaded[key]
-            scorer = self._load(name, checkpoint, kind)
+            try:
+                scorer = self._load(name, checkpoint, kind)
+            except (ModelLoadError, InvalidRequest):
+                raise
+            except (OSError, RuntimeError, ValueError) as e:  # missing or mismatched files: the batch's reason
+                what = (
+                    f"the {kind} checkpoint {str(checkpoint)!r} of scorer {name!r}"
+                    if checkpoint
+                    else f"scorer {name!r}"
+                )
+                raise ModelLoadError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
             self._loaded[key] = scorer
             while len(self._loaded) > self.settings.max_loaded_scorers:
                 self._loaded.popitem(last=False)

@@ -70,7 +70,27 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(
         60.0, gt=0, description="A claimed batch whose worker stops renewing this lease is scored again."
     )
-    max_attempts: int = Field(3, ge=1, description="Interrupted scorings of a batch before it is marked failed.")
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Scorings of a batch interrupted by a worker's crash before the batch is marked failed (a "
+        "shutdown or a database outage does not count; a batch that cannot be scored fails at once).",
+    )
+    max_scoring_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="Scoring time limit of one batch, counted from its claim (a model load included): past it the "
+        "batch is stopped at its next layer and marked failed with a reason naming this limit, and the worker goes "
+        "on with the next batch.",
+    )
+    worker_name: str = Field(
+        "",
+        max_length=80,
+        pattern=r"^[^#]*$",
+        description="A worker's name, kept across restarts so that a restarted worker re-claims at once the "
+        "batch it was scoring; must differ between living workers. Empty: <host>:<slot>, the lowest slot free "
+        "under <data_dir>/worker-slots (workers of one host sharing a data folder never collide).",
+    )
     scoring_paused: bool = Field(False, description="Accept batches but score none (maintenance, benchmarks).")
 
     max_exported_series: int = Field(

@@ -1,28 +1,38 @@
 """The scoring worker: claims queued batches, scores them, writes each batch's results at once.
 
 Durability: a batch is claimed under a lease that a heartbeat renews while it is scored. If the
-worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times). A
-batch's metric points, EMA states, status and results are written in one transaction, and only
-while this worker still holds the lease, so every batch is scored exactly once. A batch that
-cannot be scored (bad content, longer than the scorer's context) is marked failed with its reason
-and blocks nothing else. Must not import fastapi.
+worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times); a
+worker restarted under the same name (``background.worker_identity``) puts its predecessor's
+batches back at once instead. A batch's metric points, EMA states, status and results are written
+in one transaction, and only while this worker still holds the lease, so every batch is scored
+exactly once.
+
+Failures: a batch that cannot be scored or stored (bad content, longer than the scorer's context,
+a checkpoint that does not load, results the database refuses, longer than
+``max_scoring_seconds``) is marked failed at once with its reason and blocks nothing else, since
+another try would fail the same way. Only an interruption is retried: a crash (the lease), a
+shutdown (released at the next layer, not counted as an attempt), the database going away
+(left leased and released, uncounted, by the next round that reaches the database). Must not
+import fastapi.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState
 from scoring.scorer import Scorer
-from service.background import owner_id, poll, retry_through_outage
+from service.background import lease_owner, poll, retry_through_outage, worker_identity
 from service.batch_scoring import score_rollouts
 from service.errors import MonitorError
 from service.recording import ScoredBatch, load_emas, record_step
@@ -36,10 +46,28 @@ from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
 
+T = TypeVar("T")
+
+
+class Interrupted(Exception):
+    """Raised between layers of a scoring to abandon it; the subclass says why."""
+
+
+class ShuttingDown(Interrupted):
+    """The worker was asked to stop: the batch goes back to the queue, no attempt counted."""
+
+
+class LeaseLost(Interrupted):
+    """Another worker holds the batch now (this one was presumed dead): nothing to write."""
+
+
+class TimeLimit(Interrupted):
+    """The batch ran past ``max_scoring_seconds``: it fails with this message."""
+
 
 @dataclass(frozen=True)
 class Claimed:
-    """A claimed batch and everything scoring it needs, read in the claiming transaction."""
+    """A claimed batch and everything scoring it needs, read after the claim was committed."""
 
     batch_id: str
     step: int
@@ -50,63 +78,190 @@ class Claimed:
     checkpoint_kind: str | None
 
 
+def checked(work: Callable[[], T], check: Callable[[], None]) -> T:
+    """``work()``, run in a daemon thread while ``check`` is called every 0.1 s.
+
+    Loading a model (seconds to a minute, converting a GGUF) has no layers to check between; an
+    exception from ``check`` leaves the load to finish in the background (into the pool, where
+    the next batch finds it) or to die with the process.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(work())
+        except BaseException as e:  # handed to the caller's thread below
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="scorer-load", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        check()
+        thread.join(0.1)
+    if error:
+        raise error[0]
+    return result[0]
+
+
 class Worker:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, pool: ScorerPool) -> None:
         self.sessions = sessions
         self.settings = settings
         self.pool = pool
-        self.owner = owner_id()
+        self.name, self._slot = worker_identity(settings.data_dir, settings.worker_name)
+        self.owner = lease_owner(self.name)
+        self.stop = threading.Event()
         self._limits_recorded: set[str] = set()
+        # Leases to put back before the next claim: a dead predecessor's (at start), and this
+        # worker's own after a round the database broke off.
+        self._release_predecessors = True
+        self._release_own = False
         self._leased_at = time.monotonic()
 
     def run(self, stop: threading.Event) -> None:
-        """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty."""
+        """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty.
+
+        Setting ``stop`` also abandons the batch being scored at its next layer and puts it back
+        in the queue, so a shutdown takes seconds, not the rest of a long batch.
+        """
+        self.stop = stop
         log.info("worker %s started", self.owner)
-        poll(self.run_once, stop, self.settings.worker_poll_seconds, log, f"worker {self.owner}")
+        try:
+            poll(self.run_once, stop, self.settings.worker_poll_seconds, log, f"worker {self.owner}")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Gives up this worker's name (a later worker of this host may take it)."""
+        if self._slot is not None:
+            os.close(self._slot)
+            self._slot = None
 
     def run_once(self) -> bool:
         """Claims and scores one batch; False when there was nothing to claim."""
-        self._leased_at = time.monotonic()  # no later than the lease's start: bounds the finishing write's retries
-        claimed = self._claim()
-        if claimed is None:
+        self._release_leftovers()
+        if self.stop.is_set():
             return False
+        self._leased_at = time.monotonic()  # no later than the lease's start: bounds the finishing write's retries
+        batch_id = self._claim()
+        if batch_id is None:
+            return False
+        try:
+            self._process(batch_id)
+        except Exception as e:
+            if outage(e) is not None:  # the batch stays leased to this worker: put it back once the database answers
+                self._release_own = True
+            raise
+        return True
+
+    def _process(self, batch_id: str) -> None:
+        lost = threading.Event()
         renewing = threading.Event()
-        heartbeat = threading.Thread(target=self._heartbeat, args=(claimed.batch_id, renewing), daemon=True)
+        heartbeat = threading.Thread(target=self._heartbeat, args=(batch_id, renewing, lost), daemon=True)
         heartbeat.start()
         start = time.perf_counter()
         try:
-            scored = self._score(claimed)
-        except (MonitorError, ValueError) as e:
-            reason = str(e)
-            self._finish(claimed, lambda: self._finish_failed(claimed, reason))
-            return True
+            claimed = self._load(batch_id)
+            scored = self._score(claimed, self._interrupter(start, lost))
+        except ShuttingDown:
+            self._put_back(batch_id)
+            return
+        except LeaseLost:
+            log.warning("worker %s: batch %s was taken over; abandoning it", self.owner, batch_id)
+            return
         except Exception as e:
-            log.exception("worker %s: batch %s failed unexpectedly", self.owner, claimed.batch_id)
-            reason = f"internal error while scoring: {type(e).__name__}: {e}"
-            self._finish(claimed, lambda: self._finish_failed(claimed, reason))
-            return True
+            if outage(e) is not None:
+                raise
+            reason = self._reason(batch_id, e)
+            self._finish(batch_id, lambda: self._finish_failed(batch_id, reason))
+            return
         finally:
             renewing.set()
             heartbeat.join()
         seconds = time.perf_counter() - start
-        self._finish(claimed, lambda: self._finish_done(claimed, scored, seconds))
-        return True
+        try:
+            self._finish(batch_id, lambda: self._finish_done(claimed, scored, seconds))
+        except Exception as e:
+            if outage(e) is not None:
+                raise
+            # The same rows would be refused again: a retry would only hold the run's later steps.
+            log.exception("worker %s: the results of batch %s could not be stored", self.owner, batch_id)
+            reason = f"scored, but the results could not be stored: {type(e).__name__}: {e}"
+            self._finish(batch_id, lambda: self._finish_failed(batch_id, reason))
 
-    def _finish(self, claimed: Claimed, write: Callable[[], None]) -> None:
+    def _finish(self, batch_id: str, write: Callable[[], None]) -> None:
         """A finishing write, retried through a database outage for as long as the lease may still be ours.
 
-        Giving up would leave the batch to be scored again once its lease ran out (a minute). A
-        retry never writes twice: ``finish_batch`` writes only while this worker holds the batch,
-        and a try whose commit landed released it.
+        Giving up would leave the batch to be scored again once its lease ran out. A retry never
+        writes twice: ``finish_batch`` writes only while this worker holds the batch, and a try
+        whose commit landed released it.
         """
         until = self._leased_at + self.settings.lease_seconds
-        retry_through_outage(write, until, log, f"worker {self.owner}: finishing batch {claimed.batch_id}")
+        retry_through_outage(write, until, log, f"worker {self.owner}: finishing batch {batch_id}")
 
-    def _claim(self) -> Claimed | None:
+    def _reason(self, batch_id: str, error: Exception) -> str:
+        """Why a batch failed, for its ``error``: the message of an expected failure, else the exception."""
+        if isinstance(error, MonitorError | ValueError | TimeLimit):  # content, scorer limits, loading, time
+            return str(error)
+        log.exception("worker %s: batch %s failed unexpectedly", self.owner, batch_id, exc_info=error)
+        return f"internal error while scoring: {type(error).__name__}: {error}"
+
+    def _interrupter(self, start: float, lost: threading.Event) -> Callable[[], None]:
+        """The check the kernel calls between layers: shutdown, a lost lease, the time limit."""
+        limit = self.settings.max_scoring_seconds
+
+        def check() -> None:
+            if self.stop.is_set():
+                raise ShuttingDown
+            if lost.is_set():
+                raise LeaseLost
+            elapsed = time.perf_counter() - start
+            if elapsed > limit:
+                raise TimeLimit(
+                    f"scoring was stopped after {elapsed:.1f} s: longer than max_scoring_seconds={limit:g}; "
+                    "send smaller batches (fewer groups, a smaller num_samples) or raise the limit"
+                )
+
+        return check
+
+    def _release_leftovers(self) -> None:
+        if not (self._release_own or self._release_predecessors):
+            return
+        with self.sessions.begin() as session:
+            # Own leases first: the predecessors' prefix (the name) matches them too, and they must not count.
+            own = queries.release_leases(session, self.owner, count_attempt=False) if self._release_own else []
+            dead = (
+                queries.release_leases(session, f"{self.name}#", count_attempt=True)
+                if self._release_predecessors
+                else []
+            )
+        self._release_own = self._release_predecessors = False
+        for batch_id in own:
+            log.info("worker %s: put batch %s back after a database outage", self.owner, batch_id)
+        for batch_id in dead:
+            log.warning(
+                "worker %s: batch %s was being scored when %s stopped; scoring it again",
+                self.owner,
+                batch_id,
+                self.name,
+            )
+
+    def _put_back(self, batch_id: str) -> None:
+        with self.sessions.begin() as session:
+            queries.release_leases(session, self.owner, count_attempt=False)
+        log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
+
+    def _claim(self) -> str | None:
         with self.sessions.begin() as session:
             batch = queries.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
-            if batch is None:
-                return None
+            return batch.id if batch is not None else None
+
+    def _load(self, batch_id: str) -> Claimed:
+        # Read after the claim's commit: a run or checkpoint that cannot be read fails its batch,
+        # where failing inside the claim would roll the claim back and retry it forever.
+        with self.sessions.begin() as session:
+            batch = session.get_one(Batch, batch_id)
             run = RunSnapshot.of(session.get_one(Run, batch.run_id))
             checkpoint = session.get(Checkpoint, batch.checkpoint_id) if batch.checkpoint_id else None
             return Claimed(
@@ -119,16 +274,16 @@ class Worker:
                 checkpoint_kind=checkpoint.kind if checkpoint else None,
             )
 
-    def _score(self, claimed: Claimed) -> ScoredBatch:
+    def _score(self, claimed: Claimed, check: Callable[[], None]) -> ScoredBatch:
         payload = BatchIn.model_validate_json(claimed.payload)
 
         def scorer() -> Scorer:
             path = Path(claimed.checkpoint_path) if claimed.checkpoint_path else None
-            loaded = self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full")
+            loaded = checked(lambda: self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full"), check)
             self._record_limits(claimed.run.scorer, loaded)
             return loaded
 
-        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings)
+        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings, check)
         scored.checkpoint = claimed.checkpoint_path
         return scored
 
@@ -145,13 +300,14 @@ class Worker:
             return  # the database is down: the batch can still be scored; recorded with a later one
         self._limits_recorded.add(name)
 
-    def _heartbeat(self, batch_id: str, done: threading.Event) -> None:
+    def _heartbeat(self, batch_id: str, done: threading.Event, lost: threading.Event) -> None:
         while not done.wait(self.settings.lease_seconds / 3):
             try:
                 with self.sessions.begin() as session:
                     renewed_at = time.monotonic()
                     if not queries.renew_lease(session, batch_id, self.owner, self.settings.lease_seconds):
                         log.warning("worker %s lost the lease of batch %s", self.owner, batch_id)
+                        lost.set()
                         return
                 self._leased_at = renewed_at
             except Exception as e:
@@ -183,7 +339,7 @@ class Worker:
             record_step(session, claimed.run, session.get_one(Batch, claimed.batch_id), scored, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
-    def _finish_failed(self, claimed: Claimed, reason: str) -> None:
+    def _finish_failed(self, batch_id: str, reason: str) -> None:
         with self.sessions.begin() as session:
-            queries.finish_batch(session, claimed.batch_id, self.owner, status="failed", error=reason)
-        log.warning("worker %s: batch %s failed: %s", self.owner, claimed.batch_id, reason)
+            queries.finish_batch(session, batch_id, self.owner, status="failed", error=reason)
+        log.warning("worker %s: batch %s failed: %s", self.owner, batch_id, reason)

@@ -164,19 +164,27 @@ def _claimable(now: datetime) -> Any:
 
 
 def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
-    """Claims the next batch to score, one batch per run at a time, oldest run first.
+    """Claims the next batch to score: round-robin across runs, step order within a run.
 
-    Within a run batches are scored in step order, so the EMA of each (run, sampler) advances in
-    order. On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim
-    different runs without waiting on each other; a batch whose lease expired is claimed again.
-    A batch interrupted ``max_attempts`` times is marked failed instead of looping forever.
+    Among the runs with a claimable batch and none being scored, the one whose batch was claimed
+    least recently goes first (a run never served before all others, then the oldest waiting
+    batch), so a run with 200 queued batches takes turns with a run that posted one. Within a
+    run batches are scored one at a time in step order, so the EMA of each (run, sampler)
+    advances in order. On Postgres the run row is locked with SKIP LOCKED, so concurrent workers
+    claim different runs without waiting on each other; a batch whose lease expired is claimed
+    again. A batch interrupted ``max_attempts`` times is marked failed instead of looping forever.
     """
     while True:
         now = utcnow()
         claimable = _claimable(now)
         busy = exists().where(Batch.run_id == Run.id, Batch.status == "scoring", Batch.lease_expires_at > now)
         oldest = select(func.min(Batch.created_at)).where(Batch.run_id == Run.id, claimable).scalar_subquery()
-        runs = select(Run.id).where(exists().where(Batch.run_id == Run.id, claimable), ~busy).order_by(oldest).limit(1)
+        runs = (
+            select(Run.id)
+            .where(exists().where(Batch.run_id == Run.id, claimable), ~busy)
+            .order_by(Run.last_claimed_at.asc().nulls_first(), oldest, Run.id)
+            .limit(1)
+        )
         if session.get_bind().dialect.name == "postgresql":
             runs = runs.with_for_update(of=Run, skip_locked=True)
         run_id = session.scalar(runs)
@@ -202,11 +210,39 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
         batch.started_at = now
         session.execute(
             update(Run)
-            .where(Run.id == run_id, Run.segment == batch.segment)
-            .values(claimed_step=_newest(Run.claimed_step, batch.step))
+            .where(Run.id == run_id)
+            .values(
+                last_claimed_at=now,
+                claimed_step=case(
+                    (Run.segment == batch.segment, _newest(Run.claimed_step, batch.step)), else_=Run.claimed_step
+                ),
+            )
         )
         session.flush()
         return batch
+
+
+def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) -> list[str]:
+    """Puts the batches whose lease owner starts with ``owner_prefix`` back in the queue at once.
+
+    ``count_attempt``: whether the interrupted scoring counts towards ``max_attempts`` (it does
+    when the worker crashed, which the batch itself may have caused; not on a shutdown or when
+    the database was away). Returns the ids released.
+    """
+    released = list(
+        session.scalars(
+            update(Batch)
+            .where(Batch.status == "scoring", Batch.lease_owner.startswith(owner_prefix, autoescape=True))
+            .values(
+                status="queued",
+                lease_owner=None,
+                lease_expires_at=None,
+                attempts=Batch.attempts if count_attempt else Batch.attempts - 1,
+            )
+            .returning(Batch.id)
+        )
+    )
+    return released
 
 
 def renew_lease(session: Session, batch_id: str, owner: str, lease_seconds: float) -> bool:

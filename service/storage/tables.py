@@ -76,6 +76,7 @@ class Run(Base):
     # The ingest token that created the run (max_runs_per_token counts them); no foreign key: tokens
     # are revoked, never deleted, and SQLite could not add one without rebuilding this table.
     created_by_token: Mapped[int | None] = mapped_column(Integer)
+    last_claimed_at: Mapped[datetime | None] = mapped_column()  # workers serve the least recently claimed run first
 
 
 class Checkpoint(Base):

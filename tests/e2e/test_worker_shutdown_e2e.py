@@ -1,13 +1,19 @@
-"""A worker process stops promptly on SIGTERM (``docker stop``, compose scaling down), alert sender included."""
+"""Workers stop promptly on SIGTERM (``docker stop``, compose scaling down), mid-scoring included,
+and a worker killed mid-scoring takes its batch back when it restarts."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
+import httpx
 import pytest
+from sqlalchemy import create_engine, func, select
 
-from tests.e2e.conftest import BIN, service_env, wait_until
+from service.storage.tables import MetricPoint
+from tests.e2e.conftest import BIN, service_env, start_service, wait_until
+from tests.e2e.test_service_e2e import heavy_batch
 
 pytestmark = pytest.mark.e2e
 
@@ -20,3 +26,85 @@ def test_a_worker_exits_cleanly_within_seconds_of_sigterm(processes, tmp_path, p
     assert worker.wait(timeout=60) == 0, processes.log("worker")
     # Its alert dispatcher used to be joined without being told to stop: 30 s, past compose's grace period.
     assert time.monotonic() - asked < 10
+
+
+def long_run(base: str) -> str:
+    """A run and one batch whose scoring takes many forwards (tens of seconds on 2 busy cores)."""
+    with httpx.Client(base_url=base, timeout=30) as http:
+        run = {"name": "long", "sampler": {"num_samples": None, "samplers": ["trajectory"]}}
+        assert http.post("/v1/runs", json=run).status_code == 201
+        response = http.post("/v1/runs/long/batches", json=heavy_batch(1))
+        assert response.status_code == 202, response.json()
+        return str(response.json()["batch_id"])
+
+
+def status_of(base: str, batch_id: str) -> dict:
+    return dict(httpx.get(f"{base}/v1/batches/{batch_id}").json())
+
+
+def points_once(url: str) -> bool:
+    engine = create_engine(url)
+    with engine.connect() as connection:
+        total, distinct = connection.execute(
+            select(func.count(), func.count(func.distinct(MetricPoint.sampler + MetricPoint.name)))
+        ).one()
+    engine.dispose()
+    return bool(total) and total == distinct
+
+
+def test_sigterm_mid_scoring_exits_within_seconds_and_another_worker_scores_the_batch_once(
+    processes, tmp_path, postgres_url
+):
+    env = service_env(tmp_path, postgres_url, COLLAPSE_MONITOR_LEASE_SECONDS="300")
+    base = start_service(processes, env, "--no-worker")
+    batch_id = long_run(base)
+    first = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
+    wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
+    time.sleep(3)  # past the model's load (interruptible too), into the forwards
+    asked = time.monotonic()
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0, processes.log("worker-1")
+    assert time.monotonic() - asked < 10
+    assert f"batch {batch_id} is back in the queue" in processes.log("worker-1")  # it was mid-scoring
+    assert (status_of(base, batch_id)["status"], status_of(base, batch_id)["attempts"]) == ("queued", 0)
+    processes.start("worker-2", [str(BIN / "collapse-monitor"), "worker"], env)
+    wait_until(lambda: status_of(base, batch_id)["status"] == "done", 280, "the other worker to score it")
+    assert status_of(base, batch_id)["attempts"] == 1  # the shutdown did not count as an attempt
+    assert points_once(postgres_url)
+
+
+def test_serve_with_its_embedded_worker_exits_within_seconds_of_sigterm_mid_scoring(processes, tmp_path):
+    env = service_env(tmp_path, COLLAPSE_MONITOR_LEASE_SECONDS="300")
+    base = start_service(processes, env)
+    batch_id = long_run(base)
+    wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
+    serve = processes.running[-1]
+    asked = time.monotonic()
+    serve.send_signal(signal.SIGTERM)
+    # uvicorn re-raises the signal once its shutdown is complete (a shell sees 143, systemd a clean stop).
+    assert serve.wait(timeout=60) in (0, -signal.SIGTERM), processes.log("serve")
+    assert "Application shutdown complete" in processes.log("serve")
+    assert time.monotonic() - asked < 10
+    assert f"batch {batch_id} is back in the queue" in processes.log("serve")
+    base = start_service(processes, env)
+    wait_until(lambda: status_of(base, batch_id)["status"] == "done", 280, "the restarted server to score it")
+    assert status_of(base, batch_id)["attempts"] == 1
+
+
+def test_a_worker_killed_mid_scoring_and_restarted_takes_its_batch_back_without_waiting_out_the_lease(
+    processes, tmp_path, postgres_url
+):
+    env = service_env(tmp_path, postgres_url, COLLAPSE_MONITOR_LEASE_SECONDS="300")
+    base = start_service(processes, env, "--no-worker")
+    batch_id = long_run(base)
+    killed = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
+    wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert status_of(base, batch_id)["status"] == "scoring"  # leased for 300 s to a dead process
+    processes.start("worker-1-restarted", [str(BIN / "collapse-monitor"), "worker"], env)
+    # Well inside the 300 s lease: only taking the batch back at start can finish it in time.
+    wait_until(lambda: status_of(base, batch_id)["status"] == "done", 240, "the restarted worker to score it")
+    assert status_of(base, batch_id)["attempts"] == 2  # the crash counted
+    assert "scoring it again" in processes.log("worker-1-restarted")
+    assert points_once(postgres_url)

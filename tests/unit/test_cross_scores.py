@@ -185,3 +185,36 @@ def test_token_ids_outside_the_vocabulary_are_refused(llama64):
     batch = ScoringBatch.from_rows([[1, 2]], [[VOCAB + 3]], [0])
     with pytest.raises(ScoringError, match=f"row 0: reasoning token id {VOCAB + 3} is outside the vocabulary of 64"):
         score_batch(llama64, batch, ScoringConfig())
+
+
+class Abandon(Exception):
+    pass
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_check_is_called_at_every_layer_and_its_exception_abandons_the_batch(family):
+    scorer = tiny_scorer(family)
+    batch = random_batch(seed=3)
+    config = ScoringConfig(max_batch_tokens=40)
+    calls = 0
+
+    def count() -> None:
+        nonlocal calls
+        calls += 1
+
+    unchecked = score_batch(scorer, batch, config)
+    checked = score_batch(scorer, batch, config, check=count)
+    assert_scores_close(checked, unchecked, 0.0)  # checking changes nothing
+    layers = scorer.model.config.num_hidden_layers
+    assert calls > 3 * layers  # many forwards, each checked at every layer
+
+    def give_up_later() -> None:
+        nonlocal calls
+        calls -= 1
+        if calls == 0:
+            raise Abandon
+
+    calls = layers + 1  # gives up at the first layer of the second forward
+    with pytest.raises(Abandon):
+        score_batch(scorer, batch, config, check=give_up_later)
+    assert calls == 0

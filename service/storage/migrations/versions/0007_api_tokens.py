@@ -4,7 +4,7 @@
 lets ``max_runs_per_token`` count an ingest token's runs; ``batches.payload_purged_at`` marks a
 batch whose payload ``payload_retention_days`` (or ``collapse-monitor purge``) removed.
 
-Revision ID: 0007_api_tokens
+Revision ID: 0007
 Revises: 0006
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0007_api_tokens"
+revision = "0007"
 down_revision = "0006"
 branch_labels = None
 depends_on = None

@@ -1,0 +1,126 @@
+"""Claiming: how long one claim takes with many runs queued, and how long a light run waits.
+
+    python bench/claims.py [--runs 200] [--per-run 20] [--claims 200] [--backends sqlite,postgres]
+
+Fills a throwaway database with ``--runs`` heavy runs of ``--per-run`` queued batches each (rows
+written directly; nothing is scored), then posts one batch of a light run, and times
+``claim_batch`` + ``finish_batch`` transactions, one after the other. Reports the median and p99
+milliseconds per claim and at which claim the light run's batch was taken: with round-robin
+claiming ``--runs`` + 1 (each heavy run, never served either, has one turn first, then the light
+run goes before any heavy run's second turn); oldest-batch-first would make it runs x per-run + 1.
+Prints one JSON object per backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import create_engine, insert, text
+
+from service.storage import queries
+from service.storage.database import make_engine, make_sessions, migrate
+from service.storage.tables import Batch, Run, utcnow
+
+PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def fill(url: str, runs: int, per_run: int) -> str:
+    """Queues the heavy runs' batches (oldest first), then the light run's one; returns its id."""
+    engine = make_engine(url)
+    start = utcnow() - timedelta(hours=1)
+    with engine.begin() as connection:
+        connection.execute(
+            insert(Run),
+            [
+                {"name": f"run-{r}", "scorer": "tiny-random", "scorer_mode": "reference", "samplers": ["first_turn"]}
+                for r in range(runs + 1)
+            ],
+        )
+        ids = {name: i for i, name in connection.execute(text("SELECT id, name FROM runs")).all()}
+        rows = [
+            {
+                "id": uuid.uuid4().hex,
+                "run_id": ids[f"run-{r}"],
+                "step": s,
+                "kind": "rollouts",
+                "payload": "{}",
+                "payload_sha256": uuid.uuid4().hex,
+                "status": "queued",
+                "attempts": 0,
+                "created_at": start + timedelta(milliseconds=s * runs + r),
+            }
+            for r in range(runs)
+            for s in range(per_run)
+        ]
+        light = uuid.uuid4().hex
+        rows.append(rows[0] | {"id": light, "run_id": ids[f"run-{runs}"], "step": 0, "created_at": utcnow()})
+        connection.execute(insert(Batch), rows)
+    engine.dispose()
+    return light
+
+
+def measure(url: str, runs: int, per_run: int, claims: int) -> dict[str, object]:
+    migrate(url)
+    light = fill(url, runs, per_run)
+    engine = make_engine(url)
+    sessions = make_sessions(engine)
+    seconds, light_after = [], None
+    for n in range(claims):
+        began = time.perf_counter()
+        with sessions.begin() as session:
+            batch = queries.claim_batch(session, "bench#0", 60, max_attempts=3)
+            assert batch is not None
+            queries.finish_batch(session, batch.id, "bench#0", status="done")
+            claimed = batch.id
+        seconds.append(time.perf_counter() - began)
+        if claimed == light:
+            light_after = n + 1
+    engine.dispose()
+    ms = np.array(seconds) * 1000
+    return {
+        "runs": runs,
+        "queued": runs * per_run + 1,
+        "claims": claims,
+        "claim_ms_p50": round(float(np.median(ms)), 2),
+        "claim_ms_p99": round(float(np.percentile(ms, 99)), 2),
+        "light_run_claimed_at_claim": light_after,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--per-run", type=int, default=20)
+    parser.add_argument("--claims", type=int, default=300)
+    parser.add_argument("--backends", default="sqlite,postgres")
+    args = parser.parse_args()
+    for backend in args.backends.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            database = f"bench_claims_{uuid.uuid4().hex[:8]}"
+            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+            if backend == "postgres":
+                with admin.connect() as connection:
+                    connection.execute(text(f'CREATE DATABASE "{database}"'))
+                url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
+            else:
+                url = f"sqlite:///{Path(tmp) / 'bench.db'}"
+            try:
+                result = measure(url, args.runs, args.per_run, args.claims)
+                print(json.dumps({"backend": backend, **result}), flush=True)
+            finally:
+                if backend == "postgres":
+                    with admin.connect() as connection:
+                        connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+                admin.dispose()
+
+
+if __name__ == "__main__":
+    main()
