@@ -8,6 +8,7 @@ Stages (each a subcommand writing JSON under --work, so two processes can share 
     templates                  runs pilot unless done; writes traces.json
     score --shard K/N          scores every K-th chunk of traces under every column
     merge                      writes the committed corpus (--out)
+    demo                       writes service/demo_traces.json from it
 
 1. healthy traces: for each of the 16 task prompts, samples at temperature 1.0 (seeded), the
    reasoning cut at ``</think>`` and cleaned as the service does (``scoring.partition``);
@@ -96,7 +97,7 @@ def nll_per_token(scorer: Scorer, prompts: list[str], traces: list[str], own: li
 def bisect_temperature(
     scorer: Scorer, style: int, target: float, args: argparse.Namespace
 ) -> tuple[float, list[dict[str, float]]]:
-    lo, hi = 0.4, 1.6
+    lo, hi = args.lo, args.hi
     history = []
     pilot = [task_prompt(i) for i in PILOT_PROMPTS]
     for step in range(args.bisection_steps):
@@ -162,47 +163,55 @@ def healthy_parts(args: argparse.Namespace) -> dict[int, list[str]]:
 
 
 def stage_pilot(scorer: Scorer, args: argparse.Namespace) -> None:
-    """The NLL target from the healthy prompts generated so far, the bisection, the template traces."""
+    """The NLL target (from the healthy prompts generated so far, unless --target), the bisection and
+    the template traces of each of --styles; one templates_<style>.json each."""
     healthy = healthy_parts(args)
     prompts = sorted(healthy)
-    pilot_own = [j for j, i in enumerate(prompts) for _ in healthy[i][: args.pilot]]
-    pilot_traces = [t for i in prompts for t in healthy[i][: args.pilot]]
-    target = nll_per_token(scorer, [task_prompt(i) for i in prompts], pilot_traces, pilot_own)
-    log(f"healthy NLL/token under the own prompt (pilot of prompts {prompts}): {target:.4f}")
-    templates = []
-    bisection = []
-    for style in range(len(TEMPLATE_STYLES)):
+    if args.target is None:
+        pilot_own = [j for j, i in enumerate(prompts) for _ in healthy[i][: args.pilot]]
+        pilot_traces = [t for i in prompts for t in healthy[i][: args.pilot]]
+        target = nll_per_token(scorer, [task_prompt(i) for i in prompts], pilot_traces, pilot_own)
+        log(f"healthy NLL/token under the own prompt (pilot of prompts {prompts}): {target:.4f}")
+    else:
+        target = args.target
+    for style in [int(v) for v in args.styles.split(",")]:
         temperature, history = bisect_temperature(scorer, style, target, args)
         texts = sample(
             scorer, template_prompt(style), args.per_style + 8, temperature, 5000 + style, args.max_new_tokens
         )
-        templates.append((temperature, keep(scorer, texts, args.per_style)))
-        bisection.append({"style": style, "temperature": temperature, "steps": history})
-        log(f"style {style}: T={temperature}, {len(templates[-1][1])} template traces")
-    write(
-        args.work / "templates.json",
-        {
-            "healthy_nll_per_token_pilot": round(target, 4),
-            "pilot_prompts": prompts,
-            "pilot_traces_per_prompt": args.pilot,
-            "bisection": bisection,
-            "templates": templates,
-        },
-    )
+        kept = keep(scorer, texts, args.per_style)
+        log(f"style {style}: T={temperature}, {len(kept)} template traces")
+        write(
+            args.work / f"templates_{style}.json",
+            {
+                "style": style,
+                "target_nll_per_token": round(target, 4),
+                "bracket": [args.lo, args.hi],
+                "temperature": temperature,
+                "steps": history,
+                "texts": kept,
+            },
+        )
 
 
 def stage_templates(scorer: Scorer, args: argparse.Namespace) -> None:
     """Assembles traces.json from every healthy trace and the pilot's template traces."""
-    while (args.work / "pilot.running").exists() and not (args.work / "templates.json").exists():
-        time.sleep(10)  # a pilot started early by hand (see docs/corpus.md) is still running
-    if not (args.work / "templates.json").exists():
+    styles = range(len(TEMPLATE_STYLES))
+    parts = [args.work / f"templates_{style}.json" for style in styles]
+    while (args.work / "pilot.running").exists() and not all(p.exists() for p in parts):
+        time.sleep(10)  # pilots started by hand, one per style (docs/corpus.md), are still running
+    if not all(p.exists() for p in parts):
         stage_pilot(scorer, args)
     healthy = healthy_parts(args)
     missing = set(range(len(TASKS))) - set(healthy)
     if missing:
         raise SystemExit(f"healthy traces missing for prompts {sorted(missing)}")
-    pilot = read(args.work / "templates.json")
-    templates = [(float(temp), texts) for temp, texts in pilot.pop("templates")]
+    done = [read(p) for p in parts]
+    templates = [(float(d["temperature"]), d["texts"]) for d in done]
+    pilot = {
+        "healthy_nll_per_token_pilot": done[0]["target_nll_per_token"],
+        "bisection": [{k: v for k, v in d.items() if k != "texts"} for d in done],
+    }
     columns = [{"kind": "task", "index": i, "family": TASKS[i][0], "text": task_prompt(i)} for i in range(len(TASKS))]
     columns += [
         {"kind": "template", "index": s, "family": "template", "text": template_prompt(s)}
@@ -306,12 +315,37 @@ def stage_merge(_scorer: Scorer, args: argparse.Namespace) -> None:
     log(f"wrote {args.out} ({args.out.stat().st_size} bytes, {n} traces x {len(data['columns'])} prompts)")
 
 
+DEMO = Path("service/demo_traces.json")
+
+
+def stage_demo(_scorer: Scorer | None, args: argparse.Namespace) -> None:
+    """service/demo_traces.json: the demo's prompts and a few traces of each, from the corpus."""
+    with gzip.open(args.out, "rt", encoding="utf-8") as f:
+        corpus = json.load(f)
+    tasks = [c for c in corpus["columns"] if c["kind"] == "task"]
+    demo = {
+        "source": f"{args.out} (bench/corpus/generate.py demo)",
+        # The think block is opened by the response, as most trainers send it.
+        "prompts": [c["text"].removesuffix("<think>") for c in tasks],
+        "healthy": [
+            [t["text"] for t in corpus["traces"] if t["kind"] == "healthy" and t["prompt"] == c["index"]][
+                : args.demo_traces
+            ]
+            for c in tasks
+        ],
+        "templates": [t["text"] for t in corpus["traces"] if t["kind"] == "template" and t["style"] == 0],
+    }
+    DEMO.write_text(json.dumps(demo, indent=0, ensure_ascii=False) + "\n")
+    log(f"wrote {DEMO} ({DEMO.stat().st_size} bytes)")
+
+
 STAGES = {
     "healthy": stage_healthy,
     "pilot": stage_pilot,
     "templates": stage_templates,
     "score": stage_score,
     "merge": stage_merge,
+    "demo": stage_demo,
 }
 
 
@@ -328,11 +362,19 @@ def main() -> None:
     parser.add_argument("--pilot", type=int, default=4, help="healthy traces per prompt in the NLL target")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--bisection-steps", type=int, default=5)
+    parser.add_argument("--styles", default=",".join(str(s) for s in range(len(TEMPLATE_STYLES))))
+    parser.add_argument("--lo", type=float, default=0.4, help="bisection bracket, low temperature")
+    parser.add_argument("--hi", type=float, default=1.6, help="bisection bracket, high temperature")
+    parser.add_argument("--target", type=float, help="NLL/token target (default: measured on a pilot)")
     parser.add_argument("--chunk", type=int, default=24, help="traces per scoring call")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--demo-traces", type=int, default=12, help="healthy traces per prompt in the demo")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.stage == "demo":
+        stage_demo(None, args)
+        return
     scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
     STAGES[args.stage](scorer, args)
 

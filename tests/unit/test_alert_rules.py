@@ -116,9 +116,9 @@ def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
 
 def test_rules_can_be_disabled_and_tuned_per_run():
     series = template_series([4.0] * 5 + [1.0] * 3)
-    assert evaluate("r", "s", series, ZSCORE.model_copy(update=dict(enabled=False))) == []
-    assert evaluate("r", "s", series, ZSCORE.model_copy(update=dict(drop_fraction=0.9))) == []  # 1.0 is not below 0.4
-    assert evaluate("r", "s", series, ZSCORE.model_copy(update=dict(window=5)))[0].state == "pending"
+    assert evaluate("r", "s", series, ZSCORE.model_copy(update={"enabled": False})) == []
+    assert evaluate("r", "s", series, ZSCORE.model_copy(update={"drop_fraction": 0.9})) == []  # 1.0 is not below 0.4
+    assert evaluate("r", "s", series, ZSCORE.model_copy(update={"window": 5}))[0].state == "pending"
 
 
 @pytest.mark.parametrize(("field", "value"), [("drop_fraction", 0), ("window", 0), ("entropy_floor", 1.5)])
