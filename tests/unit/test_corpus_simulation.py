@@ -45,7 +45,8 @@ def test_halves_split_the_prompts_into_even_and_odd():
 
 
 def test_shares_follow_each_story():
-    assert Story("sharp", 10).share(9) == 0 and Story("sharp", 10).share(10) == SHARP_SHARE
+    assert Story("sharp", 10).share(9) == 0
+    assert Story("sharp", 10).share(10) == SHARP_SHARE
     gradual = Story("gradual", 10)
     assert [gradual.share(s) for s in (10, 11, 12, 13)] == [0.125, 0.25, 0.375, 0.5]
     assert gradual.half_step() == 13
@@ -115,7 +116,8 @@ def test_the_default_rule_fires_after_onset_on_collapse_and_stays_quiet_on_healt
     s = story(kind, prompts, 15, np.random.default_rng(5))
     collapsed = replay(Run(corpus, prompts, 32, s, seed=5), 30)
     fired = first_fire(collapsed, config)
-    assert fired is not None and 15 <= fired <= 15 + (2 if kind == "sharp" else 10)
+    assert fired is not None
+    assert 15 <= fired <= 15 + (2 if kind == "sharp" else 10)
     if kind == "partial":
         assert collapsed.lost_last == list(s.collapsed)
         episode = [e for e in evaluate("r", "matrix", collapsed.series, config, collapsed.lost_last) if e.fired_step]
