@@ -13,9 +13,12 @@ duplicates counted), means over rows (RAGEN ``collapse_metrics._compute_metrics_
 Sequential change detection (ours, ``mi_cusum``): a one-sided CUSUM on the per-step MI estimate
 standardized by its standard error, against a baseline b and a designed drop d (a share of b):
 
-    S_t = max(0, S_{t-1} + (b - d/2 - mi_t) / max(se_t, se_floor))
+    S_t = max(0, S_{t-1} + (b - d/2 - mi_t) / max(sqrt(se_t^2 + tau^2), se_floor))
 
 It grows by about (d/2) / se per step once MI has fallen by d, and drifts to 0 while MI stays at b.
+se_t (resampling the batch's rows) misses how much MI moves between steps while the policy
+trains; tau^2 adds it: the variance of the baseline steps' estimates beyond their own se^2
+(``between_step_variance``), so a run whose MI wanders step to step needs a larger fall.
 
 computed on L_tok (unsuffixed names) and on L_seq (``_seq`` names); retrieval on L_tok only.
 Everything here is float64; RAGEN accumulates L in float32, so its figures agree with ours to
@@ -305,21 +308,34 @@ def lost_input_dependence(mi_terms: Sequence[float], retrieval_rates: Sequence[f
     return [r < LOST_RETRIEVAL_RATE and m < level for m, r in zip(mi_terms, retrieval_rates, strict=True)]
 
 
+def between_step_variance(values: Sequence[float], errors: Sequence[float]) -> float:
+    """tau^2: the variance of per-step estimates beyond their sampling variance (method of moments, >= 0)."""
+    if len(values) < 2:
+        return 0.0
+    return max(0.0, float(np.var(values, ddof=1)) - float(np.mean(np.square(errors))))
+
+
 def cusum(
-    values: Sequence[float], errors: Sequence[float], baseline: float, drop: float, se_floor: float
+    values: Sequence[float],
+    errors: Sequence[float],
+    baseline: float,
+    drop: float,
+    se_floor: float,
+    tau2: float = 0.0,
 ) -> list[float]:
     """One-sided CUSUM statistics S_t of a downward shift of ``drop`` from ``baseline`` (module docstring).
 
     Args:
         values: per-step estimates (mi_estimate).
-        errors: their standard errors, floored at ``se_floor`` so one lucky low-noise batch cannot
-            weigh a small dip as a large one.
+        errors: their standard errors; sqrt(se^2 + tau2) is floored at ``se_floor`` so one lucky
+            low-noise batch cannot weigh a small dip as a large one.
         baseline: the in-control level b.
         drop: the designed shift d (> 0); steps below b - d/2 push S up.
+        tau2: between-step variance added to each se^2 (``between_step_variance``).
     """
     out, s = [], 0.0
     for value, error in zip(values, errors, strict=True):
-        s = max(0.0, s + (baseline - drop / 2 - value) / max(error, se_floor))
+        s = max(0.0, s + (baseline - drop / 2 - value) / max(math.sqrt(error**2 + tau2), se_floor))
         out.append(s)
     return out
 

@@ -35,7 +35,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scoring.estimators import cusum
+from scoring.estimators import between_step_variance, cusum
 
 Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], ascending steps
 RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"]
@@ -285,12 +285,14 @@ def _cusum_series(series: Series, config: AlertSettings) -> list[tuple[int, floa
     base = _baseline(series.get("mi_estimate", []), config.baseline_steps)
     if not rows or base is None or base <= 0:
         return []
+    head = rows[: config.baseline_steps]
     values = cusum(
         [v for _, (v, _) in rows],
         [e for _, (_, e) in rows],
         baseline=base,
         drop=config.cusum_drop * base,
         se_floor=CUSUM_SE_FLOOR * base,
+        tau2=between_step_variance([v for _, (v, _) in head], [e for _, (_, e) in head]),
     )
     return [(step, value) for (step, _), value in zip(rows, values, strict=True)]
 
