@@ -254,7 +254,8 @@ def stage_score(scorer: Scorer, args: argparse.Namespace) -> None:
         by_columns[tuple(columns_of(t, len(x)))].append(r)
     for members in by_columns.values():
         chunks += [members[i : i + args.chunk] for i in range(0, len(members), args.chunk)]
-    for c, rows in enumerate(chunks):
+    order = list(enumerate(chunks))
+    for c, rows in reversed(order) if args.reverse else order:
         path = args.work / f"scores_{c}.json"
         if c % n != k or path.exists():
             continue
@@ -356,6 +357,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/corpus/smollm2.json.gz"))
     parser.add_argument("--prompts", default=f"0:{len(TASKS)}")
     parser.add_argument("--shard", default="0/1")
+    parser.add_argument("--reverse", action="store_true", help="score: last chunk first (an extra helper process)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--per-prompt", type=int, default=32)
     parser.add_argument("--per-style", type=int, default=32)

@@ -9,7 +9,7 @@ import pytest
 
 from bench.corpus.calibrate import first_fire, replay
 from bench.corpus.simulate import SHARP_SHARE, Corpus, Run, Story, halves, story
-from scoring.estimators import cusum, lost_input_dependence
+from scoring.estimators import between_step_variance, cusum, lost_input_dependence
 from service.alert_rules import AlertSettings, evaluate
 
 PROMPTS, PER_PROMPT, STYLES, PER_STYLE, LENGTH = 8, 16, 2, 16, 20
@@ -122,3 +122,10 @@ def test_the_default_rule_fires_after_onset_on_collapse_and_stays_quiet_on_healt
         assert collapsed.lost_last == list(s.collapsed)
         episode = [e for e in evaluate("r", "matrix", collapsed.series, config, collapsed.lost_last) if e.fired_step]
         assert f"lost input dependence: {', '.join(map(str, s.collapsed))}" in episode[0].summary
+
+
+def test_between_step_variance_is_the_spread_beyond_sampling_noise():
+    assert between_step_variance([1.0, 1.2, 0.8], [0.1, 0.1, 0.1]) == pytest.approx(0.04 - 0.01)
+    assert between_step_variance([1.0, 1.01, 0.99], [0.2, 0.2, 0.2]) == 0.0  # all explained by se
+    # tau^2 widens each step's noise: the same dip adds less.
+    assert cusum([0.5], [0.1], 1.0, 0.4, 0.0, tau2=0.03) == pytest.approx([3 / 2])
