@@ -255,6 +255,7 @@ def stage_score(scorer: Scorer, args: argparse.Namespace) -> None:
     for members in by_columns.values():
         chunks += [members[i : i + args.chunk] for i in range(0, len(members), args.chunk)]
     order = list(enumerate(chunks))
+    order = order[args.start :] + order[: args.start]
     for c, rows in reversed(order) if args.reverse else order:
         path = args.work / f"scores_{c}.json"
         if c % n != k or path.exists():
@@ -284,7 +285,7 @@ def stage_score(scorer: Scorer, args: argparse.Namespace) -> None:
         )
 
 
-def stage_merge(_scorer: Scorer, args: argparse.Namespace) -> None:
+def stage_merge(_scorer: Scorer | None, args: argparse.Namespace) -> None:
     data = read(args.work / "traces.json")
     n = len(data["traces"])
     L: list[Any] = [None] * n
@@ -293,8 +294,10 @@ def stage_merge(_scorer: Scorer, args: argparse.Namespace) -> None:
         s = read(part)
         for i, r in enumerate(s["rows"]):
             L[r], H[r] = s["L_seq"][i], s["token_entropy"][i]
-    if any(v is None for v in L):
+    if any(v is None for v in L) and not args.partial:
         raise SystemExit("some traces are not scored yet")
+    L = [v if v is not None else [None] * len(data["columns"]) for v in L]
+    H = [v if v is not None else [] for v in H]
     corpus = {
         "format": 1,
         "command": "bench/corpus/generate.sh",
@@ -321,8 +324,11 @@ DEMO = Path("service/demo_traces.json")
 
 def stage_demo(_scorer: Scorer | None, args: argparse.Namespace) -> None:
     """service/demo_traces.json: the demo's prompts and a few traces of each, from the corpus."""
-    with gzip.open(args.out, "rt", encoding="utf-8") as f:
-        corpus = json.load(f)
+    if args.out.exists():
+        with gzip.open(args.out, "rt", encoding="utf-8") as f:
+            corpus = json.load(f)
+    else:  # before the scoring is done: the same texts
+        corpus = read(args.work / "traces.json")
     tasks = [c for c in corpus["columns"] if c["kind"] == "task"]
     demo = {
         "source": f"{args.out} (bench/corpus/generate.py demo)",
@@ -358,6 +364,8 @@ def main() -> None:
     parser.add_argument("--prompts", default=f"0:{len(TASKS)}")
     parser.add_argument("--shard", default="0/1")
     parser.add_argument("--reverse", action="store_true", help="score: last chunk first (an extra helper process)")
+    parser.add_argument("--start", type=int, default=0, help="score: begin at this chunk (another helper process)")
+    parser.add_argument("--partial", action="store_true", help="merge: allow unscored traces (never committed)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--per-prompt", type=int, default=32)
     parser.add_argument("--per-style", type=int, default=32)
@@ -374,8 +382,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.stage == "demo":
-        stage_demo(None, args)
+    if args.stage in ("demo", "merge"):  # no model needed
+        STAGES[args.stage](None, args)
         return
     scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
     STAGES[args.stage](scorer, args)
