@@ -142,6 +142,34 @@ def changed(config: AlertSettings) -> dict[str, Any]:
     return {k: v for k, v in config.model_dump().items() if v != getattr(default, k) or k == "signal"}
 
 
+def evaluate_defaults(corpus: Corpus, sizes: list[int], args: argparse.Namespace) -> None:
+    tables = []
+    for n in sizes:
+        data = replays(corpus, "evaluation", n, args.runs, args.healthy_runs, args.steps, args.seed)
+        table: dict[str, Any] = {"rows": n}
+        for label, rule in (("template_collapse_rule", TEMPLATE), ("entropy_only_rule", "EntropyCollapse")):
+            table[label] = outcome(data, AlertSettings(), rule)
+        partial = data["partial"]
+        table["template_collapse_rule"]["partial"]["named_in_last_batch"] = sum(
+            r.lost_last == list(r.story.collapsed) for r in partial
+        )
+        tables.append(table)
+    print(
+        json.dumps(
+            {
+                "half": "evaluation",
+                "path": "service.ingest.score_matrix + service.alert_rules.evaluate (no database)",
+                "settings": changed(AlertSettings()),
+                "runs": args.runs,
+                "healthy_runs": args.healthy_runs,
+                "steps": args.steps,
+                "seed": args.seed,
+                "tables": tables,
+            }
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="16,32,64")
@@ -150,9 +178,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument(
+        "--evaluate",
+        action="store_true",
+        help="report the default settings on the evaluation half instead (the same tables as bench/detection.py "
+        "--source corpus, without the database)",
+    )
     args = parser.parse_args()
     corpus = load(args.corpus)
     sizes = [int(v) for v in args.rows.split(",")]
+    if args.evaluate:
+        evaluate_defaults(corpus, sizes, args)
+        return
     data = {n: replays(corpus, "calibration", n, args.runs, args.healthy_runs, args.steps, args.seed) for n in sizes}
     best: dict[str, tuple[tuple[bool, int, float, float], AlertSettings, list[dict[str, Any]]]] = {}
     for config in candidates():
