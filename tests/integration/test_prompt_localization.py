@@ -51,7 +51,7 @@ def test_a_partial_collapse_is_named_in_the_batch_and_in_the_alert(database_url,
     assert stds[5] > 0
     (alert,) = client.get("/v1/runs/partial/alerts", params={"rule": "TemplateCollapse"}).json()
     assert alert["state"] == "firing"
-    assert alert["fired_step"] <= 11
+    assert 9 <= alert["fired_step"] <= 14
     assert alert["summary"].endswith("prompts (group ids) of the latest batch that lost input dependence: 7, 13")
     series = client.get("/v1/runs/partial/metrics", params={"names": "mi_estimate_se,zero_variance_group_ratio"})
     names = {(p["sampler"], p["name"]) for p in series.json()["points"]}
@@ -70,5 +70,5 @@ def test_token_entropies_and_rewards_must_match_the_rows(database_url, client_fo
     client = client_for(database_url, scoring_paused=True)
     client.post("/v1/runs", json={"name": "bad"})
     response = client.post("/v1/runs/bad/matrices", json=change(matrix(1)))
-    assert response.status_code == 422
+    assert response.status_code == 400  # InvalidRequest, as for the matrix's other shape errors
     assert response.json()["field"] == field
