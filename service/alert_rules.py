@@ -64,11 +64,12 @@ class AlertSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = Field(True, description="Evaluate alert rules for this run.")
-    signal: Literal["mi_cusum", "mi_zscore_ema", "retrieval_above_chance", "mi_estimate"] = Field(
-        "mi_cusum",
-        description="The input-dependence signal TemplateCollapse watches. mi_cusum: a one-sided CUSUM of "
-        "mi_estimate standardized by its standard error against its baseline (scoring.estimators.cusum), which "
-        "fires when it exceeds cusum_threshold; the others: a level (threshold, drop_fraction).",
+    signal: Literal["retrieval_above_chance", "mi_cusum", "mi_zscore_ema", "mi_estimate"] = Field(
+        "retrieval_above_chance",
+        description="The input-dependence signal TemplateCollapse watches (the default calibrated on the SmolLM2 "
+        "corpus, docs/corpus.md). mi_cusum: a one-sided CUSUM of mi_estimate standardized by its standard error "
+        "against its baseline (scoring.estimators.cusum), which fires when it exceeds cusum_threshold; the others: "
+        "a level (threshold, drop_fraction).",
     )
     threshold: float | None = Field(
         None,
@@ -79,20 +80,20 @@ class AlertSettings(BaseModel):
         + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
         + " (mi_estimate in nats per token).",
     )
-    drop_fraction: float = Field(0.4, gt=0, le=1, description="Relative drop from the baseline that counts.")
+    drop_fraction: float = Field(0.2, gt=0, le=1, description="Relative drop from the baseline that counts.")
     cusum_drop: float = Field(
-        0.25,
+        0.4,
         gt=0,
         le=1,
         description="mi_cusum: the drop of mi_estimate it is designed to catch, as a share of its baseline (a "
         "quarter of the prompts collapsing takes about a quarter of the MI).",
     )
     cusum_threshold: float = Field(
-        8.0, gt=0, le=1e6, description="mi_cusum: the CUSUM level (in standard errors) above which a step counts."
+        3.0, gt=0, le=1e6, description="mi_cusum: the CUSUM level (in standard errors) above which a step counts."
     )
     baseline_steps: int = Field(5, ge=1, le=MAX_WINDOW, description="Scored steps whose median is the baseline.")
     window: int = Field(
-        3,
+        2,
         ge=1,
         le=MAX_WINDOW,
         description="Consecutive scored steps a condition must hold to fire (NoReasoning: batches).",
@@ -118,7 +119,7 @@ class AlertSettings(BaseModel):
     )
     zero_variance_ratio: float = Field(0.5, gt=0, le=1, description="LowRewardSignal: zero-variance group share.")
     use_intervals: bool = Field(
-        True,
+        False,
         description="Count a step only when the whole bootstrap interval of mi_estimate is below the same relative "
         "level of its baseline (ignored when the series carries no intervals).",
     )

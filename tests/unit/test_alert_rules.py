@@ -6,7 +6,8 @@ import pytest
 
 from service.alert_rules import AlertSettings, evaluate
 
-ZSCORE = AlertSettings(signal="mi_zscore_ema")  # these series are mi_zscore_ema's; the default is mi_cusum
+# These series are mi_zscore_ema's, written for the settings before the corpus calibration (issue 12).
+ZSCORE = AlertSettings(signal="mi_zscore_ema", drop_fraction=0.4, window=3, use_intervals=True)
 
 
 def steps(values, start=1):
@@ -162,7 +163,7 @@ def cusum_series(mi, se=0.05, entropy=2.0):
     }
 
 
-def test_the_default_cusum_fires_on_a_sustained_drop_that_a_level_rule_misses_and_says_so():
+def test_the_cusum_fires_on_a_sustained_drop_that_a_level_rule_misses_and_says_so():
     # A quarter of the MI lost (as when a quarter of the prompts collapse): 0.6 -> 0.45, se 0.05.
     mi = [0.6, 0.62, 0.58, 0.61, 0.59] + [0.6, 0.58] + [0.45] * 8
     config = AlertSettings(signal="mi_cusum", cusum_drop=0.25, cusum_threshold=4.0, window=1)
@@ -171,7 +172,8 @@ def test_the_default_cusum_fires_on_a_sustained_drop_that_a_level_rule_misses_an
     assert (episode.onset_step, episode.fired_step) == (10, 10)
     assert "mi_estimate 0.45 fell from its baseline 0.6" in episode.summary
     assert "lost input dependence: 3, 7" in episode.summary
-    assert evaluate("r", "s", cusum_series(mi), config.model_copy(update={"signal": "mi_estimate"})) == []
+    level = config.model_copy(update={"signal": "mi_estimate", "drop_fraction": 0.4})
+    assert evaluate("r", "s", cusum_series(mi), level) == []
 
 
 def test_the_cusum_stays_quiet_on_noise_around_the_baseline_and_without_standard_errors():
