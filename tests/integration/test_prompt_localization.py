@@ -63,7 +63,7 @@ def test_a_partial_collapse_is_named_in_the_batch_and_in_the_alert(database_url,
     [
         (lambda m: m | {"rewards": m["rewards"][:-1]}, "rewards"),
         (lambda m: m | {"token_entropy": m["token_entropy"][:-1]}, "token_entropy"),
-        (lambda m: m | {"token_entropy": [[2.0]] + m["token_entropy"][1:]}, "token_entropy[0]"),
+        (lambda m: m | {"token_entropy": [[2.0], *m["token_entropy"][1:]]}, "token_entropy[0]"),
     ],
 )
 def test_token_entropies_and_rewards_must_match_the_rows(database_url, client_for, change, field):
