@@ -1,6 +1,12 @@
 """Detection: how fast the TemplateCollapse rule fires on runs that collapse, and whether it cries wolf.
 
     python bench/detection.py [--runs 20] [--steps 40] [--seed 0]
+    python bench/detection.py --source corpus [--rows 16,32,64] [--half evaluation] [--healthy-runs 50]
+
+``--source corpus`` replays runs from the SmolLM2 trace corpus (bench/corpus/simulate.py: healthy,
+sharp, gradual, partial and mixture stories) through the same endpoint, with token entropies and
+rewards, on the evaluation half of its prompts, and reports the issue-12 targets per batch size.
+The default, synthetic source:
 
 Simulated runs are fed through the real ingest path (POST /v1/runs/{run}/matrices on the real app
 with its SQLite storage and alert engine). Every row's own prompt scores about -2 nats per token,
@@ -24,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from fastapi.testclient import TestClient
 
+from bench.corpus.simulate import CORPUS
 from service.app import create_app
 from service.settings import Settings
 
@@ -87,13 +94,104 @@ def report(delays: list[int | None], false_alarms: int, healthy: int) -> dict[st
     }
 
 
+def corpus_runs(client: TestClient, rows: int, args: argparse.Namespace) -> dict[str, object]:
+    """Replays corpus runs of one batch size through POST /v1/runs/{run}/matrices; the target table."""
+    from bench.corpus.calibrate import TARGET_DELAY, Replay, delay
+    from bench.corpus.simulate import KINDS, Run, halves, load, story
+
+    corpus = load(args.corpus)
+    prompts = halves(corpus.n_prompts)[args.half]
+    rng = np.random.default_rng([args.seed, rows])
+    kinds: dict[str, list[tuple[str, Replay, list[int]]]] = {}
+    for kind in KINDS:
+        kinds[kind] = []
+        for i in range(args.healthy_runs if kind == "healthy" else args.runs):
+            s = story(kind, prompts, None if kind == "healthy" else int(rng.integers(12, 25)), rng)
+            run = Run(corpus, prompts, rows, s, seed=int(rng.integers(2**31)))
+            name = f"{kind}-{rows}-{i}"
+            assert client.post("/v1/runs", json={"name": name}).status_code == 201
+            lost: list[int] = []
+            for step in range(1, args.steps + 1):
+                body = {"step": step, **run.step(step)}
+                response = client.post(f"/v1/runs/{name}/matrices", json=body)
+                assert response.status_code == 201, response.text
+                lost = response.json()["results"]["samplers"]["matrix"]["lost_group_ids"]
+            kinds[kind].append((name, Replay(s, {}, lost), lost))
+    table: dict[str, object] = {"rows": rows, "prompts": list(prompts)}
+    for label, rule in (("template_collapse_rule", "TemplateCollapse"), ("entropy_only_rule", "EntropyCollapse")):
+        out: dict[str, object] = {}
+        for kind, runs in kinds.items():
+            fires = [first_fire(client, name, rule) for name, _, _ in runs]
+            if kind == "healthy":
+                out[kind] = {"false_alarms": f"{sum(f is not None for f in fires)}/{len(runs)}"}
+                continue
+            delays = [delay(r, f) for (_, r, _), f in zip(runs, fires, strict=True)]
+            found = [d for d in delays if d is not None]
+            early = sum(
+                f is not None and r.story.onset is not None and f < r.story.onset
+                for (_, r, _), f in zip(runs, fires, strict=True)
+            )
+            out[kind] = {
+                "detected": f"{len(found)}/{len(runs)}",
+                f"within_{TARGET_DELAY}_steps": f"{sum(d <= TARGET_DELAY for d in found)}/{len(runs)}",
+                "delay_steps_mean": round(statistics.mean(found), 2) if found else None,
+                "delay_steps_max": max(found) if found else None,
+                "alarms_before_onset": early,
+            }
+            if kind == "partial" and rule == "TemplateCollapse":
+                named = 0
+                for name, r, _ in runs:
+                    alerts = client.get(f"/v1/runs/{name}/alerts", params={"rule": rule}).json()
+                    summary = " ".join(a["summary"] for a in alerts if a["fired_step"] is not None)
+                    expected = f"lost input dependence: {', '.join(map(str, r.story.collapsed))}"
+                    named += expected in summary
+                out[kind]["named_in_alert"] = f"{named}/{len(runs)}"
+                out[kind]["named_in_last_batch"] = (
+                    f"{sum(lost == list(r.story.collapsed) for _, r, lost in runs)}/{len(runs)}"
+                )
+        table[label] = out
+    return table
+
+
+def corpus_main(args: argparse.Namespace) -> None:
+    for key in [k for k in os.environ if k.startswith("COLLAPSE_MONITOR_")]:
+        del os.environ[key]
+    tables = []
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(_env_file=None, data_dir=Path(tmp), scoring_paused=True)  # type: ignore[call-arg]
+        with TestClient(create_app(settings)) as client:
+            for rows in [int(v) for v in args.rows.split(",")]:
+                tables.append(corpus_runs(client, rows, args))
+    print(
+        json.dumps(
+            {
+                "source": "corpus",
+                "half": args.half,
+                "runs_per_kind": args.runs,
+                "healthy_runs": args.healthy_runs,
+                "steps": args.steps,
+                "seed": args.seed,
+                "tables": tables,
+            }
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", choices=("synthetic", "corpus"), default="synthetic")
     parser.add_argument("--runs", type=int, default=20, help="healthy runs and collapsing runs, each")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drop-fraction", type=float, help="override the rule's default drop_fraction")
+    parser.add_argument("--rows", default="16,32,64", help="corpus: batch sizes (rows per step)")
+    parser.add_argument("--half", choices=("evaluation", "calibration"), default="evaluation", help="corpus")
+    parser.add_argument("--healthy-runs", type=int, default=50, help="corpus: healthy runs per batch size")
+    parser.add_argument("--corpus", type=Path, default=CORPUS, help="corpus: the corpus file")
     args = parser.parse_args()
+    if args.source == "corpus":
+        corpus_main(args)
+        return
     alerts = {} if args.drop_fraction is None else {"drop_fraction": args.drop_fraction}
     rng = np.random.default_rng(args.seed)
     for key in [k for k in os.environ if k.startswith("COLLAPSE_MONITOR_")]:

@@ -8,6 +8,17 @@ duplicates counted), means over rows (RAGEN ``collapse_metrics._compute_metrics_
     reasoning_entropy_est   = -mean(marginal)                          H(Z)
     mi_zscore               = mean((matched - marginal) / (std(marginal) + eps))
     mi_zscore_ema           = the same with an EMA of std(marginal) across steps
+    mi_estimate_se          = std(matched - marginal) / sqrt(R)        (ours: its standard error)
+
+Sequential change detection (ours, ``mi_cusum``): a one-sided CUSUM on the per-step MI estimate
+standardized by its standard error, against a baseline b and a designed drop d (a share of b):
+
+    S_t = max(0, S_{t-1} + (b - d/2 - mi_t) / max(sqrt(se_t^2 + tau^2), se_floor))
+
+It grows by about (d/2) / se per step once MI has fallen by d, and drifts to 0 while MI stays at b.
+se_t (resampling the batch's rows) misses how much MI moves between steps while the policy
+trains; tau^2 adds it: the variance of the baseline steps' estimates beyond their own se^2
+(``between_step_variance``), so a run whose MI wanders step to step needs a larger fall.
 
 computed on L_tok (unsuffixed names) and on L_seq (``_seq`` names); retrieval on L_tok only.
 Everything here is float64; RAGEN accumulates L in float32, so its figures agree with ours to
@@ -18,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -109,6 +120,7 @@ class ColumnBreakdown:
     matched_mean: float
     mi_term: float
     retrieval_rate: float
+    lost_input_dependence: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,7 @@ class Diagnostics:
     intervals: dict[str, tuple[float, float]] = field(default_factory=dict)
     columns: tuple[ColumnBreakdown, ...] = ()
     skipped_reason: str | None = None
+    standard_errors: dict[str, float] = field(default_factory=dict)
 
 
 def compute_diagnostics(
@@ -190,6 +203,7 @@ def compute_diagnostics(
         metrics={name: metrics[name] for name in PAPER_METRICS},
         intervals=bootstrap_intervals(terms, correct_at[1], config),
         columns=column_breakdown(matched, terms, correct_at[1], cols, group_ids),
+        standard_errors={"mi_estimate": standard_error(terms)},
     )
     return diagnostics, EmaState(marginal_std=ema_std, marginal_std_seq=ema_std_seq)
 
@@ -271,6 +285,61 @@ def bootstrap_intervals(
     return intervals
 
 
+def standard_error(values: np.ndarray) -> float:
+    """Standard error of the mean of ``values`` (sample std with n - 1); 0 for fewer than two."""
+    return float(np.std(values, ddof=1) / math.sqrt(len(values))) if len(values) > 1 else 0.0
+
+
+LOST_RETRIEVAL_RATE = 0.5  # a column whose own rows pick it less often than this ...
+LOST_MI_SHARE = 0.5  # ... and whose MI term is below this share of the healthy columns' median
+
+
+def lost_input_dependence(mi_terms: Sequence[float], retrieval_rates: Sequence[float]) -> list[bool]:
+    """Which prompts (columns) lost input dependence, judged within one batch.
+
+    A column is lost when fewer than half of its rows retrieve it and its MI term is below half the
+    median MI term of the columns that are still retrieved (at least half of their rows); when no
+    column is retrieved, every column is lost. Needs no baseline, so a batch names its own.
+    """
+    healthy = [m for m, r in zip(mi_terms, retrieval_rates, strict=True) if r >= LOST_RETRIEVAL_RATE]
+    if not healthy:
+        return [True] * len(mi_terms)
+    level = LOST_MI_SHARE * float(np.median(healthy))
+    return [r < LOST_RETRIEVAL_RATE and m < level for m, r in zip(mi_terms, retrieval_rates, strict=True)]
+
+
+def between_step_variance(values: Sequence[float], errors: Sequence[float]) -> float:
+    """tau^2: the variance of per-step estimates beyond their sampling variance (method of moments, >= 0)."""
+    if len(values) < 2:
+        return 0.0
+    return max(0.0, float(np.var(values, ddof=1)) - float(np.mean(np.square(errors))))
+
+
+def cusum(
+    values: Sequence[float],
+    errors: Sequence[float],
+    baseline: float,
+    drop: float,
+    se_floor: float,
+    tau2: float = 0.0,
+) -> list[float]:
+    """One-sided CUSUM statistics S_t of a downward shift of ``drop`` from ``baseline`` (module docstring).
+
+    Args:
+        values: per-step estimates (mi_estimate).
+        errors: their standard errors; sqrt(se^2 + tau2) is floored at ``se_floor`` so one lucky
+            low-noise batch cannot weigh a small dip as a large one.
+        baseline: the in-control level b.
+        drop: the designed shift d (> 0); steps below b - d/2 push S up.
+        tau2: between-step variance added to each se^2 (``between_step_variance``).
+    """
+    out, s = [], 0.0
+    for value, error in zip(values, errors, strict=True):
+        s = max(0.0, s + (baseline - drop / 2 - value) / max(math.sqrt(error**2 + tau2), se_floor))
+        out.append(s)
+    return out
+
+
 def column_breakdown(
     matched: np.ndarray,
     mi_terms: np.ndarray,
@@ -278,7 +347,8 @@ def column_breakdown(
     column_of_row: np.ndarray,
     group_ids: Sequence[int],
 ) -> tuple[ColumnBreakdown, ...]:
-    """Per column: its rows' matched mean, MI term (mean of matched - marginal), retrieval rate."""
+    """Per column: its rows' matched mean, MI term (mean of matched - marginal), retrieval rate, and
+    whether it lost input dependence (``lost_input_dependence``)."""
     out = []
     for j, gid in enumerate(group_ids):
         own = column_of_row == j
@@ -294,7 +364,8 @@ def column_breakdown(
                 retrieval_rate=float(correct[own].mean()),
             )
         )
-    return tuple(out)
+    lost = lost_input_dependence([c.mi_term for c in out], [c.retrieval_rate for c in out])
+    return tuple(replace(c, lost_input_dependence=flag) for c, flag in zip(out, lost, strict=True))
 
 
 def token_entropy_stats(per_row: Sequence[np.ndarray]) -> dict[str, float]:

@@ -10,9 +10,11 @@ process remembered:
 
 Rules (RAGEN-2: entropy stays flat while input dependence vanishes under template collapse):
     TemplateCollapse  the input-dependence signal falls below a threshold, or drops by more than
-                      ``drop_fraction`` from the run's baseline, while H(Z|X) stays within its band
+                      ``drop_fraction`` from the run's baseline (for ``mi_cusum``, the default: its
+                      CUSUM rises above ``cusum_threshold``), while H(Z|X) stays within its band
                       (no more than ``entropy_band`` below its baseline, ``entropy_band_above``
-                      above): the failure entropy cannot see.
+                      above): the failure entropy cannot see. When the episode reaches the latest
+                      batch it names that batch's prompts that lost input dependence.
     EntropyCollapse   H(Z|X) (or the matched-pair token entropy) falls below ``entropy_floor`` of
                       its baseline: reasoning became deterministic per input.
     LowRewardSignal   the mean in-group reward std stays below ``reward_std_fraction`` of its
@@ -33,12 +35,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from scoring.estimators import between_step_variance, cusum
+
 Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], ascending steps
 RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"]
 AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["critical", "warning"]
 MAX_WINDOW = 1000  # scored steps; every evaluation replays the history, so windows stay bounded
 SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
+CUSUM = "mi_cusum"  # not a stored series: computed here from mi_estimate and mi_estimate_se
+CUSUM_SE_FLOOR = 0.05  # share of the MI baseline: a standard error is never taken as smaller
 TEMPLATE: RuleName = "TemplateCollapse"
 ENTROPY: RuleName = "EntropyCollapse"
 REWARD: RuleName = "LowRewardSignal"
@@ -51,6 +57,9 @@ SEVERITY: dict[RuleName, Severity] = {
 }
 
 
+Signal = Literal["retrieval_above_chance", "mi_cusum", "mi_zscore_ema", "mi_estimate"]
+
+
 class AlertSettings(BaseModel):
     """Alert thresholds of one run (``alerts`` in ``POST /v1/runs``); docs/alerts.md's table is generated
     from these fields."""
@@ -58,8 +67,12 @@ class AlertSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     enabled: bool = Field(True, description="Evaluate alert rules for this run.")
-    signal: Literal["mi_zscore_ema", "retrieval_above_chance", "mi_estimate"] = Field(
-        "mi_zscore_ema", description="The input-dependence signal TemplateCollapse watches."
+    signal: Signal = Field(
+        "retrieval_above_chance",
+        description="The input-dependence signal TemplateCollapse watches (the default calibrated on the SmolLM2 "
+        "corpus, docs/corpus.md). mi_cusum: a one-sided CUSUM of mi_estimate standardized by its standard error "
+        "against its baseline (scoring.estimators.cusum), which fires when it exceeds cusum_threshold; the others: "
+        "a level (threshold, drop_fraction).",
     )
     threshold: float | None = Field(
         None,
@@ -70,10 +83,20 @@ class AlertSettings(BaseModel):
         + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
         + " (mi_estimate in nats per token).",
     )
-    drop_fraction: float = Field(0.4, gt=0, le=1, description="Relative drop from the baseline that counts.")
+    drop_fraction: float = Field(0.2, gt=0, le=1, description="Relative drop from the baseline that counts.")
+    cusum_drop: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="mi_cusum: the drop of mi_estimate it is designed to catch, as a share of its baseline (a "
+        "quarter of the prompts collapsing takes about a quarter of the MI).",
+    )
+    cusum_threshold: float = Field(
+        3.0, gt=0, le=1e6, description="mi_cusum: the CUSUM level (in standard errors) above which a step counts."
+    )
     baseline_steps: int = Field(5, ge=1, le=MAX_WINDOW, description="Scored steps whose median is the baseline.")
     window: int = Field(
-        3,
+        2,
         ge=1,
         le=MAX_WINDOW,
         description="Consecutive scored steps a condition must hold to fire (NoReasoning: batches).",
@@ -99,7 +122,7 @@ class AlertSettings(BaseModel):
     )
     zero_variance_ratio: float = Field(0.5, gt=0, le=1, description="LowRewardSignal: zero-variance group share.")
     use_intervals: bool = Field(
-        True,
+        False,
         description="Count a step only when the whole bootstrap interval of mi_estimate is below the same relative "
         "level of its baseline (ignored when the series carries no intervals).",
     )
@@ -156,13 +179,19 @@ class _Figures:
     description: str
 
 
-def evaluate(run: str, sampler: str, series: Series, config: AlertSettings) -> list[Episode]:
-    """Every alert episode the rules produce on this (run, sampler)'s history, oldest first."""
+def evaluate(
+    run: str, sampler: str, series: Series, config: AlertSettings, lost: Sequence[int] | None = None
+) -> list[Episode]:
+    """Every alert episode the rules produce on this (run, sampler)'s history, oldest first.
+
+    ``lost``: group ids of the prompts that lost input dependence in the latest batch
+    (``SamplerResult.lost_group_ids``); a TemplateCollapse episode reaching that batch names them.
+    """
     if not config.enabled:
         return []
     if sampler == "all":
         return _reward_episodes(run, series, config) + _no_reasoning_episodes(run, series, config)
-    return _template_episodes(run, sampler, series, config) + _entropy_episodes(run, sampler, series, config)
+    return _template_episodes(run, sampler, series, config, lost) + _entropy_episodes(run, sampler, series, config)
 
 
 def _baseline(values: Sequence[tuple[int, float]], steps: int) -> float | None:
@@ -254,22 +283,46 @@ TEMPLATE_ADVICE = (
 )
 
 
-def _template_episodes(run: str, sampler: str, series: Series, config: AlertSettings) -> list[Episode]:
+def _cusum_series(series: Series, config: AlertSettings) -> list[tuple[int, float]]:
+    """The mi_cusum statistic at each step with mi_estimate and its standard error; [] before a baseline."""
+    rows = _aligned(series, "mi_estimate", "mi_estimate_se")
+    base = _baseline(series.get("mi_estimate", []), config.baseline_steps)
+    if not rows or base is None or base <= 0:
+        return []
+    head = rows[: config.baseline_steps]
+    values = cusum(
+        [v for _, (v, _) in rows],
+        [e for _, (_, e) in rows],
+        baseline=base,
+        drop=config.cusum_drop * base,
+        se_floor=CUSUM_SE_FLOOR * base,
+        tau2=between_step_variance([v for _, (v, _) in head], [e for _, (_, e) in head]),
+    )
+    return [(step, value) for (step, _), value in zip(rows, values, strict=True)]
+
+
+def _template_episodes(
+    run: str, sampler: str, series: Series, config: AlertSettings, lost: Sequence[int] | None = None
+) -> list[Episode]:
     signal = config.signal
+    if signal == CUSUM:
+        series = {**series, CUSUM: _cusum_series(series, config)}
     rows = _aligned(series, signal, "conditional_entropy_est")
     signal_base = _baseline(series.get(signal, []), config.baseline_steps)
     entropy_base = _baseline(series.get("conditional_entropy_est", []), config.baseline_steps)
     if not rows or signal_base is None or entropy_base is None:
         return []
-    level = _level(config.signal_threshold, signal_base, config.drop_fraction)
+    # The CUSUM already weighs each step by its standard error: it rises above a fixed level.
+    cumulative = signal == CUSUM
+    level = config.cusum_threshold if cumulative else _level(config.signal_threshold, signal_base, config.drop_fraction)
     # Noise guard: a step also needs the whole bootstrap interval of the MI estimate below the same
     # relative level of its own baseline, so one batch's sampling noise cannot count as a drop.
     ci_high = dict(series.get("mi_estimate_ci_high", []))
     mi_base = _baseline(series.get("mi_estimate", []), config.baseline_steps)
-    confirm = config.use_intervals and bool(ci_high) and mi_base is not None
+    confirm = config.use_intervals and bool(ci_high) and mi_base is not None and not cumulative
     mi_level = _level(SIGNAL_THRESHOLDS["mi_estimate"], mi_base or 0.0, config.drop_fraction)
     holds = [
-        value < level
+        (value > level if cumulative else value < level)
         and (1 - config.entropy_band) * entropy_base <= entropy <= (1 + config.entropy_band_above) * entropy_base
         and (not confirm or ci_high.get(step, float("inf")) < mi_level)
         for step, (value, entropy) in rows
@@ -284,15 +337,32 @@ def _template_episodes(run: str, sampler: str, series: Series, config: AlertSett
             if confirm and span.last in ci_high
             else ""
         )
+        if cumulative:
+            mi = dict(series.get("mi_estimate", []))
+            change = (
+                f"mi_estimate {mi.get(span.last, float('nan')):.4g} fell from its baseline {mi_base or 0.0:.4g} "
+                f"(its CUSUM {value:.4g} rose above {level:.4g} standard errors)"
+            )
+        else:
+            change = f"{signal} {value:.4g} fell below {level:.4g} (baseline {signal_base:.4g}){bound}"
         summary = (
-            f"{TEMPLATE} on run {run} ({sampler}) at step {span.last}: {signal} {value:.4g} fell below "
-            f"{level:.4g} (baseline {signal_base:.4g}){bound} over {streak} scored steps since step {span.onset}, "
-            f"while H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
+            f"{TEMPLATE} on run {run} ({sampler}) at step {span.last}: {change} over {streak} scored steps since step "
+            f"{span.onset}, while H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
+            + _lost_prompts(lost, span.last, rows[-1][0])
         )
         return _Figures(value, signal_base, level, summary, TEMPLATE_ADVICE)
 
     ready = [n >= config.window for n in _streaks(holds)]
     return _episodes(TEMPLATE, sampler, [s for s, _ in rows], holds, ready, config, figures)
+
+
+def _lost_prompts(lost: Sequence[int] | None, step: int, latest: int) -> str:
+    """Names the latest batch's prompts that lost input dependence, when the episode reaches it."""
+    if lost is None or step != latest:
+        return ""
+    if not lost:
+        return "; no single prompt of the latest batch stands out as lost"
+    return f"; prompts (group ids) of the latest batch that lost input dependence: {', '.join(map(str, lost))}"
 
 
 ENTROPY_ADVICE = (
@@ -397,8 +467,9 @@ def _no_reasoning_episodes(run: str, series: Series, config: AlertSettings) -> l
 def needed_series(config: AlertSettings) -> tuple[str, ...]:
     """The stored names the rules read."""
     return (
-        config.signal,
+        *((config.signal,) if config.signal != CUSUM else ()),
         "mi_estimate",
+        "mi_estimate_se",
         "mi_estimate_ci_high",
         "conditional_entropy_est",
         config.entropy_signal,

@@ -20,18 +20,24 @@ Event = str  # firing | resolved | refresh (a firing alert re-sent to Alertmanag
 
 
 def update_alerts(
-    session: Session, run: RunSnapshot, step: int, samplers: list[str], settings: Settings
+    session: Session,
+    run: RunSnapshot,
+    step: int,
+    samplers: list[str],
+    settings: Settings,
+    lost: dict[str, list[int]] | None = None,
 ) -> list[tuple[Alert, str]]:
     """Re-evaluates the run's alert rules after ``step`` and queues the notifications they owe.
 
     Runs in the transaction that wrote the step's points, so an alert change and its
     notifications are stored together with the figures that caused them. Returns the firing and
-    resolved events.
+    resolved events. ``lost``: per sampler, the group ids of this step's prompts that lost input
+    dependence, which a TemplateCollapse alert names.
     """
     events: list[tuple[Alert, Event]] = []
     for sampler in samplers:
         series = queries.alert_series(session, run.id, sampler, needed_series(run.alerts))
-        episodes = evaluate(run.name, sampler, series, run.alerts)
+        episodes = evaluate(run.name, sampler, series, run.alerts, (lost or {}).get(sampler))
         events += _reconcile(session, run.id, sampler, step, episodes)
     session.flush()  # alert ids for the deliveries
     for alert, event in events:

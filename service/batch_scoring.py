@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
-
 from scoring.cross_scores import score_batch
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
-from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
 from service.errors import InvalidRequest
 from service.reasoning import group_extractions, reasoning_summary
 from service.recording import ALL, ScoredBatch
+from service.reward_figures import reward_figures
 from service.runs import RunSnapshot, is_scheduled
-from service.schemas import BatchIn, BatchResult, RewardResult
+from service.schemas import BatchIn, BatchResult
 from service.settings import Settings
 from service.storage.matrices import MatrixRecord
 from service.storage.queries import Point
@@ -92,52 +90,6 @@ def score_rollouts(
         reasons = sorted({result.skipped_reason for result in samplers.values() if result.skipped_reason})
         scored.result.skipped_reason = "; ".join(reasons) or "no sampler produced metrics"
     return scored
-
-
-def reward_figures(payload: BatchIn, filter_settings: dict[str, object]) -> tuple[RewardResult, dict[str, float]]:
-    """SNR figures of the batch's reward groups and what the run's filter would keep of them.
-
-    Missing (null) rewards are left out of every reward figure and counted in
-    ``missing_reward_ratio``; a group whose rewards are all missing is not a reward group.
-    """
-    present = [t for t in payload.trajectories if t.reward is not None]
-    group_ids = sorted({t.group_id for t in present})
-    rewards = [[t.reward for t in present if t.group_id == g and t.reward is not None] for g in group_ids]
-    figures = {
-        "num_groups": float(len({t.group_id for t in payload.trajectories})),
-        "num_trajectories": float(len(payload.trajectories)),
-        "missing_reward_ratio": 1 - len(present) / len(payload.trajectories),
-    }
-    trainer_entropy = [e for t in payload.trajectories for turn in t.turns for e in (turn.token_entropies or [])]
-    if trainer_entropy:
-        figures["trainer_token_entropy_mean"] = float(np.mean(trainer_entropy))
-    if not present:
-        warning = f"all {len(payload.trajectories)} rewards are missing: no reward figures for this batch"
-        empty = RewardResult(
-            group_ids=[],
-            group_reward_std=[],
-            selected_group_ids=[],
-            single_sample_group_ids=[],
-            missing_rewards=len(payload.trajectories),
-            warnings=[warning],
-            filter=dict(filter_settings),
-        )
-        return empty, figures
-    advice = filter_groups(rewards, FilterConfig(**filter_settings))  # type: ignore[arg-type]  # validated at run creation
-    stds = np.array(advice.group_reward_std)
-    figures.update(advice.metrics)
-    figures["reward_mean"] = float(np.mean([r for group in rewards for r in group]))
-    figures["zero_variance_group_ratio"] = float((stds <= ZERO_SPREAD).mean())
-    result = RewardResult(
-        group_ids=group_ids,
-        group_reward_std=advice.group_reward_std,
-        selected_group_ids=[group_ids[i] for i in advice.selected_groups],
-        single_sample_group_ids=[group_ids[i] for i in advice.single_sample_groups],
-        missing_rewards=len(payload.trajectories) - len(present),
-        warnings=advice.warnings,
-        filter=dict(filter_settings),
-    )
-    return result, figures
 
 
 def tokenized(payload: BatchIn, scorer: Scorer, extraction: Extraction = "think_tags") -> list[Trajectory]:

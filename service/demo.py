@@ -1,10 +1,12 @@
 """A simulated agentic-RL run feeding a collapse-monitor server, to see the diagnostics move.
 
-Each step sends rollouts of a grid puzzle: groups of rollouts per board, two turns each. Early on
-the reasoning talks about the board in front of it and rewards vary within a group; from
-``collapse_start`` on, a growing share of rollouts reasons from one generic template (varied
-wording, so entropy stays up) and rewards stop varying: template collapse, which the mutual
-information and retrieval accuracy see and entropy does not. Stdlib HTTP only.
+Each step sends rollouts of tasks from the SmolLM2 trace corpus (grid puzzles, arithmetic, word
+problems, shopping choices, multi-turn histories): a group of rollouts per task, whose reasoning is
+what SmolLM2-135M-Instruct really wrote for that task. Early on rewards vary within a group; from
+``collapse_start`` on, a growing share of rollouts carries reasoning SmolLM2 wrote for a generic
+"Solve the task." instruction (sampled at the temperature that keeps its entropy level) and
+rewards stop varying: template collapse, which the mutual information and retrieval accuracy see
+and entropy does not. Stdlib HTTP only.
 """
 
 from __future__ import annotations
@@ -14,73 +16,48 @@ import random
 import time
 import urllib.error
 import urllib.request
-from functools import partial
+from functools import lru_cache, partial
+from pathlib import Path
 from typing import Any
 
 from service.schemas import BatchStatus
 
-ACTIONS = ("Up", "Down", "Left", "Right")
-SYSTEM = (
-    "<|im_start|>system\nYou are an agent solving a box-pushing puzzle on a grid. Each turn you see the board, "
-    "think inside <think></think>, then answer one of Up, Down, Left, Right inside <answer></answer>.<|im_end|>\n"
-)
-TEMPLATES = (
-    "I will think step by step and choose the best action to solve the puzzle.",
-    "Let me think carefully and pick the action that solves the puzzle step by step.",
-    "I should reason step by step and then choose the best move for this puzzle.",
-    "Thinking step by step, I will select the most promising action to make progress.",
-)
+TRACES = Path(__file__).with_name("demo_traces.json")  # extracted from bench/corpus/smollm2.json.gz
 
 
-def board(rng: random.Random) -> dict[str, tuple[int, int]]:
-    cells = rng.sample([(r, c) for r in range(1, 6) for c in range(1, 6)], 3)
-    return {"player": cells[0], "box": cells[1], "goal": cells[2]}
+@lru_cache(maxsize=1)
+def traces() -> dict[str, Any]:
+    """Prompts and reasoning SmolLM2-135M-Instruct sampled (bench/corpus): healthy traces per prompt
+    at temperature 1.0, template traces from a generic instruction at the matched temperature."""
+    data: dict[str, Any] = json.loads(TRACES.read_text())
+    return data
 
 
-def describe(b: dict[str, tuple[int, int]]) -> str:
-    return (
-        f"The player is at row {b['player'][0]} column {b['player'][1]}, the box at row {b['box'][0]} column "
-        f"{b['box'][1]}, and the goal at row {b['goal'][0]} column {b['goal'][1]}."
-    )
-
-
-def grounded_thought(b: dict[str, tuple[int, int]], rng: random.Random) -> tuple[str, str]:
-    (br, bc), (gr, gc) = b["box"], b["goal"]
-    vertical = "down" if gr > br else "up"
-    horizontal = "right" if gc > bc else "left"
-    first = rng.choice([vertical, horizontal])
-    thought = (
-        f"The box is at row {br} column {bc} and the goal at row {gr} column {gc}. "
-        f"I need to push it {abs(gr - br)} rows {vertical} and {abs(gc - bc)} columns {horizontal}, "
-        f"so I go {first} first."
-    )
-    return thought, first.capitalize()
+def __getattr__(name: str) -> Any:
+    if name == "TEMPLATES":  # the template traces, loaded on first use
+        return tuple(traces()["templates"])
+    raise AttributeError(name)
 
 
 def rollouts(
     step: int, steps: int, collapse_start: int, groups: int, per_group: int, seed: int
 ) -> list[dict[str, Any]]:
+    data = traces()
+    prompts, healthy, templates = data["prompts"], data["healthy"], data["templates"]
+    if groups > len(prompts):
+        raise ValueError(f"groups must be at most {len(prompts)} (the demo's prompts), got {groups}")
     rng = random.Random(seed * 100_003 + step)
     collapsed_share = (
         0.0 if step < collapse_start else min(1.0, (step - collapse_start + 1) / max(steps - collapse_start, 1) * 1.5)
     )
     out = []
-    for g in range(groups):
-        boards = [board(rng)]
-        boards.append({**boards[0], "player": (rng.randint(1, 5), rng.randint(1, 5))})
+    for g, prompt in enumerate(rng.sample(range(len(prompts)), groups)):
         for _ in range(per_group):
             collapsed = rng.random() < collapsed_share
-            turns = []
-            for t, b in enumerate(boards):
-                user = f"Turn {t + 1}. {describe(b)} Choose your action."
-                prompt = f"{SYSTEM}<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-                if collapsed:
-                    thought, action = rng.choice(TEMPLATES), rng.choice(ACTIONS)
-                else:
-                    thought, action = grounded_thought(b, rng)
-                turns.append({"prompt": prompt, "response": f"<think>{thought}</think><answer>{action}</answer>"})
+            thought = rng.choice(templates if collapsed else healthy[prompt])
+            turn = {"prompt": prompts[prompt], "response": f"<think>{thought}</think><answer>ok</answer>"}
             reward = 0.0 if collapsed else float(rng.random() < 0.5)
-            out.append({"group_id": g, "reward": reward, "turns": turns})
+            out.append({"group_id": g, "reward": reward, "turns": [turn]})
     return out
 
 
@@ -116,7 +93,7 @@ def run_demo(
         {
             "name": run,
             "project": "demo",
-            "metadata": {"algorithm": "PPO", "environment": "Sokoban (simulated)", "tags": ["demo"]},
+            "metadata": {"algorithm": "PPO", "environment": "SmolLM2 corpus tasks (simulated)", "tags": ["demo"]},
             # One sampler and 12 rows keep a step to a few seconds with SmolLM2 on 2 CPU cores.
             "sampler": {"samplers": ["first_turn"], "num_samples": 12, "seed": seed},
         },

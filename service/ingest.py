@@ -12,14 +12,16 @@ import math
 import uuid
 from typing import Any, cast
 
+import numpy as np
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics
+from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction
 from service.errors import Conflict, InvalidRequest, RunQueueFull, TooLarge, Unavailable
 from service.reasoning import ingest_warnings
-from service.recording import ScoredBatch, load_emas, record_step
+from service.recording import ALL, ScoredBatch, load_emas, record_step
+from service.reward_figures import grouped_reward_figures
 from service.runs import RunSnapshot, is_scheduled, require_run
 from service.schemas import (
     BatchAccepted,
@@ -33,6 +35,7 @@ from service.schemas import (
 from service.settings import Settings
 from service.storage import queries
 from service.storage.matrices import MatrixRecord
+from service.storage.queries import Point
 from service.storage.tables import Batch, Run, ScorerLimits
 
 
@@ -235,7 +238,8 @@ def ingest_matrix(
             stored = session.get_one(Batch, replay.batch_id)
             result = BatchResult.model_validate(stored.result) if stored.result else BatchResult(scored=True)
             return MatrixAccepted(**replay.model_dump(), results=result)
-        scored = score_matrix(payload, load_emas(session, run.id, [payload.sampler]).get(payload.sampler, EmaState()))
+        ema = load_emas(session, run.id, [payload.sampler]).get(payload.sampler, EmaState())
+        scored = score_matrix(payload, ema, run.filter)
         batch = _new_batch(
             run.id,
             payload.step,
@@ -254,14 +258,23 @@ def ingest_matrix(
     return MatrixAccepted(**_accepted(batch).model_dump(), results=scored.result)
 
 
-def score_matrix(payload: MatrixBatchIn, ema: EmaState) -> ScoredBatch:
-    """The diagnostics of a (checked) matrix the trainer computed: no model, no reward figures."""
+def score_matrix(payload: MatrixBatchIn, ema: EmaState, filter_settings: dict[str, object]) -> ScoredBatch:
+    """The diagnostics of a (checked) matrix the trainer computed: no model; reward figures when it sent rewards."""
     L_tok, L_seq, columns = payload.arrays()
     config = EstimatorConfig(std_eps=payload.config.std_eps, ema_decay=payload.config.ema_decay)
-    diagnostics, new_ema = compute_diagnostics(L_tok, L_seq, columns, payload.column_prompt_tokens, ema, config)
+    group_ids = sorted(set(payload.row_group_ids))
+    diagnostics, new_ema = compute_diagnostics(
+        L_tok, L_seq, columns, payload.column_prompt_tokens, ema, config, group_ids
+    )
     scored = ScoredBatch(result=BatchResult(scored=bool(diagnostics.metrics), samplers={}))
-    matrix = MatrixRecord(payload.sampler, L_tok, columns, sorted(set(payload.row_group_ids)))
-    scored.add_sampler(payload.sampler, diagnostics, new_ema, matrix, {})
+    if payload.rewards is not None:
+        scored.result.rewards, scored.result.figures = grouped_reward_figures(
+            payload.row_group_ids, list(payload.rewards), filter_settings
+        )
+        scored.points += [Point(ALL, name, value) for name, value in scored.result.figures.items()]
+    entropy = token_entropy_stats([np.asarray(e) for e in payload.token_entropy or []])
+    matrix = MatrixRecord(payload.sampler, L_tok, columns, group_ids)
+    scored.add_sampler(payload.sampler, diagnostics, new_ema, matrix, entropy)
     scored.result.skipped_reason = diagnostics.skipped_reason
     return scored
 

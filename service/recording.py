@@ -63,11 +63,14 @@ class ScoredBatch:
 def sampler_points(
     sampler: str, diagnostics: Diagnostics, entropy: dict[str, float], rows: int, columns: int
 ) -> list[Point]:
-    """The stored series of one sampler's diagnostics: metrics, entropies, interval bounds, shape."""
+    """The stored series of one sampler's diagnostics: metrics, entropies, interval bounds, standard
+    errors, shape."""
     values = dict(diagnostics.metrics)
     values.update(entropy)
     for name, (low, high) in diagnostics.intervals.items():
         values[f"{name}_ci_low"], values[f"{name}_ci_high"] = low, high
+    for name, error in diagnostics.standard_errors.items():
+        values[f"{name}_se"] = error
     values["rows"], values["columns"] = float(rows), float(columns)
     return [Point(sampler, name, float(value)) for name, value in values.items()]
 
@@ -92,4 +95,5 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
         queries.save_ema(session, run.id, sampler, step, ema)
     save_matrices(session, run.id, batch.id, step, scored.matrices)
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
-    update_alerts(session, run, step, samplers, settings)
+    lost = {name: result.lost_group_ids for name, result in (scored.result.samplers or {}).items() if result.metrics}
+    update_alerts(session, run, step, samplers, settings, lost)

@@ -346,6 +346,16 @@ class BatchAccepted(_Strict):
 class MatrixBatchIn(MatrixInput):
     step: Step
     idempotency_key: IdempotencyKey
+    token_entropy: list[list[Annotated[float, Field(ge=0, le=1e3, allow_inf_nan=False)]]] | None = Field(
+        None,
+        description="Per row, the entropy in nats of the next-token distribution at each of its T_r reasoning tokens "
+        "under its own prompt (as the trainer logs it); gives the token_entropy_* series.",
+    )
+    rewards: list[Reward] | None = Field(
+        None,
+        description="Per row, its trajectory's reward; rows sharing a group id form a reward group. Gives the "
+        "reward figures of sampler all (rollout/in_group_reward_std, ...) and LowRewardSignal.",
+    )
     sampler: str = Field(
         "matrix",
         pattern=r"^[a-z][a-z0-9_]{0,31}$",
@@ -359,6 +369,22 @@ class MatrixBatchIn(MatrixInput):
         if sampler in RESERVED_SAMPLERS:
             raise ValueError(f"must not be one of {', '.join(RESERVED_SAMPLERS)}, got {sampler!r}")
         return sampler
+
+    def check(self) -> None:
+        super().check()
+        n_rows = len(self.row_group_ids)
+        if self.rewards is not None and len(self.rewards) != n_rows:
+            raise InputError("rewards", f"must hold one reward per row ({n_rows}), got {len(self.rewards)}")
+        if self.token_entropy is not None:
+            if len(self.token_entropy) != n_rows:
+                raise InputError(
+                    "token_entropy", f"must hold one list per row ({n_rows}), got {len(self.token_entropy)}"
+                )
+            for r, (row, length) in enumerate(zip(self.token_entropy, self.reasoning_lengths, strict=True)):
+                if len(row) != length:
+                    raise InputError(
+                        f"token_entropy[{r}]", f"must hold one entropy per reasoning token ({length}), got {len(row)}"
+                    )
 
 
 class CheckpointIn(_Strict):
@@ -384,6 +410,11 @@ class PromptBreakdown(BaseModel):
     matched_mean: float = Field(description="Mean per-token log p(z | own prompt) of the column's rows (nats).")
     mi_term: float = Field(description="Mean of matched - marginal over the column's rows (nats per token).")
     retrieval_rate: float = Field(description="Share of the column's rows whose own prompt scores highest.")
+    lost_input_dependence: bool = Field(
+        False,
+        description="Fewer than half of the column's rows retrieve it and its MI term is below half the median of "
+        "the retrieved columns (every column when none is retrieved): this prompt's reasoning no longer depends on it.",
+    )
 
     @classmethod
     def of(cls, column: ColumnBreakdown) -> PromptBreakdown:
@@ -398,6 +429,9 @@ class SamplerResult(BaseModel):
     metrics: dict[str, float] = Field(default_factory=dict, description="RAGEN metric names and token entropies.")
     intervals: dict[str, tuple[float, float]] = Field(default_factory=dict, description="95% bootstrap intervals.")
     per_prompt: list[PromptBreakdown] = Field(default_factory=list)
+    lost_group_ids: list[int] = Field(
+        default_factory=list, description="Group ids of the prompts that lost input dependence (per_prompt)."
+    )
     skipped_reason: str | None = None
 
     @classmethod
@@ -408,6 +442,7 @@ class SamplerResult(BaseModel):
             metrics={**diagnostics.metrics, **entropy},
             intervals=dict(diagnostics.intervals),
             per_prompt=[PromptBreakdown.of(c) for c in diagnostics.columns],
+            lost_group_ids=[c.group_id for c in diagnostics.columns if c.lost_input_dependence],
             skipped_reason=diagnostics.skipped_reason,
         )
 

@@ -110,7 +110,10 @@ def stack(engine: Engine, images: Images, tmp_path_factory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def collapsing_run(stack: Stack) -> str:
     with httpx.Client(base_url=stack.api, timeout=30) as api:
-        assert api.post("/v1/runs", json={"name": RUN, "alerts": {"signal": "mi_estimate"}}).status_code == 201
+        assert (
+            api.post("/v1/runs", json={"name": RUN, "alerts": {"signal": "mi_estimate", "window": 3}}).status_code
+            == 201
+        )
         for step, dependence in enumerate(DEPENDENCE, start=1):
             response = api.post(f"/v1/runs/{RUN}/matrices", json=dependence_matrix(step, dependence))
             assert response.status_code == 201, response.text

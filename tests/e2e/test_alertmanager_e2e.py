@@ -39,7 +39,7 @@ def test_a_collapse_alert_arrives_in_alertmanager_and_resolves(processes, tmp_pa
     )
     base = start_service(processes, env)
     with httpx.Client(base_url=base) as http:
-        http.post("/v1/runs", json={"name": "am-run", "alerts": {"signal": "mi_estimate"}})
+        http.post("/v1/runs", json={"name": "am-run", "alerts": {"signal": "mi_estimate", "window": 3}})
         for step, dependence in enumerate([1.5] * 5 + [0.0] * 3, start=1):
             assert http.post("/v1/runs/am-run/matrices", json=dependence_matrix(step, dependence)).status_code == 201
 

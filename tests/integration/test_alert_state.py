@@ -80,7 +80,7 @@ def test_template_collapse_fires_and_resolves_with_notifications_to_json_and_sla
         alert_webhooks=[hooks.url + "/json"],
         alert_slack_webhooks=[hooks.url + "/slack"],
     )
-    client.post("/v1/runs", json={"name": "ppo", "alerts": {"signal": "mi_estimate"}})
+    client.post("/v1/runs", json={"name": "ppo", "alerts": {"signal": "mi_estimate", "window": 3}})
     feed(client, "ppo", [1.5] * 5 + [0.0] * 4 + [1.5] * 3)
     (alert,) = client.get("/v1/runs/ppo/alerts").json()
     assert (alert["rule"], alert["state"], alert["severity"]) == ("TemplateCollapse", "resolved", "critical")
@@ -116,7 +116,7 @@ def test_a_healthy_run_raises_nothing(database_url, client_for, receiver):
 def test_failed_deliveries_are_retried_with_backoff_and_recorded(database_url, client_for, receiver):
     flaky = receiver(failures=2)
     client = client_for(database_url, scoring_paused=True, alert_webhooks=[flaky.url], delivery_backoff_seconds=0.05)
-    client.post("/v1/runs", json={"name": "r", "alerts": {"signal": "mi_estimate"}})
+    client.post("/v1/runs", json={"name": "r", "alerts": {"signal": "mi_estimate", "window": 3}})
     feed(client, "r", [1.5] * 5 + [0.0] * 3)
     (delivery,) = wait_for_deliveries(client, 1)
     assert (delivery["status"], delivery["attempts"], delivery["last_error"]) == ("delivered", 3, None)
@@ -132,7 +132,7 @@ def test_a_receiver_that_never_answers_is_marked_failed_not_dropped(database_url
         delivery_backoff_seconds=0.01,
         delivery_max_attempts=3,
     )
-    client.post("/v1/runs", json={"name": "r", "alerts": {"signal": "mi_estimate"}})
+    client.post("/v1/runs", json={"name": "r", "alerts": {"signal": "mi_estimate", "window": 3}})
     feed(client, "r", [1.5] * 5 + [0.0] * 3)
     (delivery,) = wait_for_deliveries(client, 1)
     assert (delivery["status"], delivery["attempts"]) == ("failed", 3)
@@ -145,7 +145,7 @@ def test_a_receiver_that_never_answers_is_marked_failed_not_dropped(database_url
 
 def test_alerts_can_be_filtered_by_state_rule_and_run(database_url, client_for):
     client = client_for(database_url, scoring_paused=True)
-    client.post("/v1/runs", json={"name": "a", "alerts": {"signal": "mi_estimate"}})
+    client.post("/v1/runs", json={"name": "a", "alerts": {"signal": "mi_estimate", "window": 3}})
     client.post("/v1/runs", json={"name": "b"})
     feed(client, "a", [1.5] * 5 + [0.0] * 3)
     feed(client, "b", [1.5] * 8)

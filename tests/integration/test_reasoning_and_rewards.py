@@ -59,7 +59,7 @@ def test_auto_scores_plain_completions_as_whole_responses(database_url, client_f
 
 def test_think_tags_warn_at_ingest_never_call_the_batch_scored_and_raise_no_reasoning(database_url, client_for):
     client = client_for(database_url)
-    client.post("/v1/runs", json={"name": "ragen-style", "reasoning_extraction": "think_tags"})
+    client.post("/v1/runs", json={"name": "ragen-style", "reasoning_extraction": "think_tags", "alerts": {"window": 3}})
     batch_ids = []
     for step in (1, 2, 3):
         accepted = client.post("/v1/runs/ragen-style/batches", json=plain_batch(step))

@@ -6,6 +6,9 @@ import pytest
 
 from service.alert_rules import AlertSettings, evaluate
 
+# These series are mi_zscore_ema's, written for the settings before the corpus calibration (issue 12).
+ZSCORE = AlertSettings(signal="mi_zscore_ema", drop_fraction=0.4, window=3, use_intervals=True)
+
 
 def steps(values, start=1):
     return [(start + i, float(v)) for i, v in enumerate(values)]
@@ -18,7 +21,7 @@ def template_series(signal, entropy=None):
 
 def test_template_collapse_fires_after_the_window_and_names_run_step_values_and_onset():
     signal = [4.0, 4.2, 3.8, 4.1, 4.0, 3.9, 1.0, 0.9, 0.8, 0.7]  # baseline = median of the first 5 = 4.0
-    (episode,) = evaluate("ppo-7", "first_turn", template_series(signal), AlertSettings())
+    (episode,) = evaluate("ppo-7", "first_turn", template_series(signal), ZSCORE)
     assert (episode.rule, episode.state, episode.severity) == ("TemplateCollapse", "firing", "critical")
     assert (episode.onset_step, episode.fired_step, episode.last_step) == (7, 9, 10)
     assert episode.baseline == 4.0
@@ -32,25 +35,25 @@ def test_template_collapse_fires_after_the_window_and_names_run_step_values_and_
 
 def test_one_noisy_step_neither_fires_nor_resolves():
     quiet = [4.0] * 5 + [1.0, 4.0, 1.0, 1.0, 4.0, 4.0]  # never 3 low steps in a row
-    assert evaluate("r", "s", template_series(quiet), AlertSettings()) == []
+    assert evaluate("r", "s", template_series(quiet), ZSCORE) == []
     firing = [4.0] * 5 + [1.0, 1.0, 1.0, 4.0, 1.0, 4.0, 4.0]
-    (episode,) = evaluate("r", "s", template_series(firing), AlertSettings())
+    (episode,) = evaluate("r", "s", template_series(firing), ZSCORE)
     assert (episode.fired_step, episode.resolved_step, episode.state) == (8, 12, "resolved")
 
 
 def test_a_condition_still_short_of_the_window_is_pending():
-    (episode,) = evaluate("r", "s", template_series([4.0] * 5 + [1.0, 1.0]), AlertSettings())
+    (episode,) = evaluate("r", "s", template_series([4.0] * 5 + [1.0, 1.0]), ZSCORE)
     assert (episode.state, episode.onset_step, episode.fired_step) == ("pending", 6, None)
 
 
 def test_nothing_is_judged_before_the_baseline_exists():
-    assert evaluate("r", "s", template_series([4.0, 0.1, 0.1, 0.1]), AlertSettings()) == []
+    assert evaluate("r", "s", template_series([4.0, 0.1, 0.1, 0.1]), ZSCORE) == []
 
 
 def test_an_input_dependence_drop_with_collapsing_entropy_is_entropy_collapse_not_template():
     signal = [4.0] * 5 + [1.0] * 4
     entropy = [2.0] * 5 + [0.5] * 4
-    episodes = evaluate("r", "s", template_series(signal, entropy), AlertSettings())
+    episodes = evaluate("r", "s", template_series(signal, entropy), ZSCORE)
     assert [(e.rule, e.state, e.onset_step) for e in episodes] == [("EntropyCollapse", "firing", 6)]
     assert "fell below 50% of its baseline 2" in episodes[0].summary
 
@@ -58,14 +61,14 @@ def test_an_input_dependence_drop_with_collapsing_entropy_is_entropy_collapse_no
 def test_template_reasoning_with_rising_entropy_is_still_template_collapse():
     # Generic template text often scores a higher per-token entropy than grounded reasoning.
     series = template_series([4.0] * 5 + [1.0] * 3, [2.0] * 5 + [3.2, 3.4, 3.3])
-    assert [e.rule for e in evaluate("r", "s", series, AlertSettings())] == ["TemplateCollapse"]
+    assert [e.rule for e in evaluate("r", "s", series, ZSCORE)] == ["TemplateCollapse"]
     runaway = template_series([4.0] * 5 + [1.0] * 3, [2.0] * 5 + [7.0] * 3)  # beyond +200%
-    assert evaluate("r", "s", runaway, AlertSettings()) == []
+    assert evaluate("r", "s", runaway, ZSCORE) == []
 
 
 def test_the_absolute_threshold_catches_a_run_that_never_had_dependence():
     series = template_series([-0.1, 0.05, -0.2, 0.0, -0.05, -0.1, -0.2, -0.1])
-    (episode,) = evaluate("r", "s", series, AlertSettings())
+    (episode,) = evaluate("r", "s", series, ZSCORE)
     assert episode.threshold == 0.0  # baseline <= 0: only the absolute level applies
     assert (episode.onset_step, episode.fired_step) == (5, 7)  # 0.05 and 0.0 at steps 2 and 4 are not below
 
@@ -79,7 +82,7 @@ def test_a_drop_within_the_bootstrap_noise_of_the_mi_estimate_does_not_count(sig
         "mi_estimate_ci_high": steps([1.0] * 5 + [0.55, 0.5, 0.55]),  # the interval still reaches the level
         "conditional_entropy_est": steps([2.0] * 8),
     }
-    config = AlertSettings(signal=signal)
+    config = ZSCORE.model_copy(update={"signal": signal})
     assert evaluate("r", "s", noisy, config) == []
     assert len(evaluate("r", "s", noisy, config.model_copy(update={"use_intervals": False}))) == 1
     tight = noisy | {"mi_estimate_ci_high": steps([1.0] * 5 + [0.2, 0.2, 0.2])}
@@ -94,12 +97,12 @@ def test_low_reward_signal_follows_ragens_ten_step_rule():
         "zero_variance_group_ratio": steps([0.1] * 15),
         "rollout/filter_kept_ratio": steps([0.4] * 15),
     }
-    (episode,) = evaluate("r", "all", series, AlertSettings())
+    (episode,) = evaluate("r", "all", series, ZSCORE)
     assert (episode.rule, episode.fired_step, episode.onset_step) == ("LowRewardSignal", 15, 6)
     assert "top_p" in episode.description
     assert "On step 15 a top_p 0.9 filter would keep 40% of the groups." in episode.description
     nine = {k: v[:14] for k, v in series.items()}
-    assert evaluate("r", "all", nine, AlertSettings())[0].state == "pending"
+    assert evaluate("r", "all", nine, ZSCORE)[0].state == "pending"
 
 
 def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
@@ -107,16 +110,16 @@ def test_many_zero_variance_groups_raise_low_reward_signal_sooner():
         "rollout/in_group_reward_std": steps([0.5] * 8),
         "zero_variance_group_ratio": steps([0.1] * 5 + [0.75] * 3),
     }
-    (episode,) = evaluate("r", "all", series, AlertSettings())
+    (episode,) = evaluate("r", "all", series, ZSCORE)
     assert (episode.fired_step, episode.state) == (8, "firing")
     assert "75% of prompt groups without reward variance" in episode.summary
 
 
 def test_rules_can_be_disabled_and_tuned_per_run():
     series = template_series([4.0] * 5 + [1.0] * 3)
-    assert evaluate("r", "s", series, AlertSettings(enabled=False)) == []
-    assert evaluate("r", "s", series, AlertSettings(drop_fraction=0.9)) == []  # 1.0 is not below 0.4
-    assert evaluate("r", "s", series, AlertSettings(window=5))[0].state == "pending"
+    assert evaluate("r", "s", series, ZSCORE.model_copy(update={"enabled": False})) == []
+    assert evaluate("r", "s", series, ZSCORE.model_copy(update={"drop_fraction": 0.9})) == []  # 1.0 is not below 0.4
+    assert evaluate("r", "s", series, ZSCORE.model_copy(update={"window": 5}))[0].state == "pending"
 
 
 @pytest.mark.parametrize(("field", "value"), [("drop_fraction", 0), ("window", 0), ("entropy_floor", 1.5)])
@@ -130,7 +133,7 @@ def test_no_reasoning_fires_after_window_batches_without_reasoning_and_resolves_
         "valid_thinking_rate": steps([0.9, 0.0, 0.0, 0.0, 0.0, 0.5, 0.6]),
         "truncated_think_ratio": steps([0.0, 0.4, 0.4, 0.5, 0.6, 0.1, 0.0]),
     }
-    (episode,) = evaluate("r", "all", series, AlertSettings())
+    (episode,) = evaluate("r", "all", series, ZSCORE)
     assert (episode.rule, episode.severity, episode.onset_step, episode.fired_step, episode.resolved_step) == (
         "NoReasoning",
         "warning",
@@ -141,11 +144,40 @@ def test_no_reasoning_fires_after_window_batches_without_reasoning_and_resolves_
     assert "no turn carried reasoning to score in 4 batches in a row (since step 2)" in episode.summary
     assert "reasoning_extraction" in episode.description
     firing = {k: v[:5] for k, v in series.items()}
-    (episode,) = evaluate("r", "all", firing, AlertSettings())
+    (episode,) = evaluate("r", "all", firing, ZSCORE)
     assert episode.state == "firing"
     assert episode.summary.endswith("60% of the last batch's turns opened a think block and never closed it")
 
 
 def test_no_reasoning_stays_quiet_while_some_turn_carries_reasoning():
     series = {"valid_thinking_rate": steps([0.0, 0.0, 0.1, 0.0, 0.0, 0.05])}
-    assert evaluate("r", "all", series, AlertSettings()) == []
+    assert evaluate("r", "all", series, ZSCORE) == []
+
+
+def cusum_series(mi, se=0.05, entropy=2.0):
+    n = len(mi)
+    return {
+        "mi_estimate": steps(mi),
+        "mi_estimate_se": steps([se] * n),
+        "conditional_entropy_est": steps([entropy] * n),
+    }
+
+
+def test_the_cusum_fires_on_a_sustained_drop_that_a_level_rule_misses_and_says_so():
+    # A quarter of the MI lost (as when a quarter of the prompts collapse): 0.6 -> 0.45, se 0.05.
+    mi = [0.6, 0.62, 0.58, 0.61, 0.59] + [0.6, 0.58] + [0.45] * 8
+    config = AlertSettings(signal="mi_cusum", cusum_drop=0.25, cusum_threshold=4.0, window=1)
+    (episode,) = evaluate("r", "s", cusum_series(mi), config, lost=[3, 7])
+    # Each low step adds (0.6 - 0.075 - 0.45) / 0.05 = 1.5; above 4 at the third low step (step 10).
+    assert (episode.onset_step, episode.fired_step) == (10, 10)
+    assert "mi_estimate 0.45 fell from its baseline 0.6" in episode.summary
+    assert "lost input dependence: 3, 7" in episode.summary
+    level = config.model_copy(update={"signal": "mi_estimate", "drop_fraction": 0.4})
+    assert evaluate("r", "s", cusum_series(mi), level) == []
+
+
+def test_the_cusum_stays_quiet_on_noise_around_the_baseline_and_without_standard_errors():
+    mi = [0.6, 0.62, 0.58, 0.61, 0.59, 0.55, 0.65, 0.57, 0.6, 0.56, 0.62]
+    assert evaluate("r", "s", cusum_series(mi), AlertSettings(signal="mi_cusum")) == []
+    no_se = {k: v for k, v in cusum_series([0.6] * 5 + [0.0] * 5).items() if k != "mi_estimate_se"}
+    assert evaluate("r", "s", no_se, AlertSettings(signal="mi_cusum")) == []

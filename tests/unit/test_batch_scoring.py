@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from scoring.snr_filter import FilterConfig, filter_groups
-from service.batch_scoring import reward_figures
+from service.reward_figures import reward_figures
 from service.runs import is_scheduled
 from service.schemas import BatchIn, FilterSettings
 
