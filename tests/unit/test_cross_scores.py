@@ -93,14 +93,11 @@ def test_tokens_processed_is_the_minimum_exact_scoring_needs(llama64):
     batch = random_batch(seed=4)
     scores = score_batch(llama64, batch, ScoringConfig())
     distinct = set(batch.column_prompts)
-    # The shared prefix runs once (each prompt keeps at least its last token), each distinct
-    # prompt's rest once, and every row's z[:-1] once per distinct prompt.
-    shared = 0
-    while shared < min(map(len, distinct)) - 1 and len({p[shared] for p in distinct}) == 1:
-        shared += 1
-    assert shared >= 10  # random_batch's system prompt
+    # Every distinct prompt prefix runs once (the system prompt once for all), and every row's
+    # z[:-1] once per distinct prompt.
+    prefixes = {p[:n] for p in distinct for n in range(1, len(p) + 1)}
     queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
-    assert scores.tokens_processed == shared + sum(len(p) - shared for p in distinct) + queries
+    assert scores.tokens_processed == len(prefixes) + queries
     naive = score_batch_naive(llama64, batch)
     assert naive.tokens_processed == sum(len(p) + len(z) for p in batch.column_prompts for z in batch.reasonings)
 
@@ -185,3 +182,46 @@ def test_token_ids_outside_the_vocabulary_are_refused(llama64):
     batch = ScoringBatch.from_rows([[1, 2]], [[VOCAB + 3]], [0])
     with pytest.raises(ScoringError, match=f"row 0: reasoning token id {VOCAB + 3} is outside the vocabulary of 64"):
         score_batch(llama64, batch, ScoringConfig())
+
+
+def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: int = 7) -> ScoringBatch:
+    """The trajectory sampler's shape: columns are turns; a trajectory's turns share its history."""
+    rng = np.random.default_rng(seed)
+    system = [int(t) for t in rng.integers(0, VOCAB, 8)]
+    turn_rows = []
+    for _ in range(trajectories):
+        history = list(system)
+        for _ in range(turns):
+            history = history + [int(t) for t in rng.integers(0, VOCAB, rng.integers(1, 6))]
+            reasoning = [int(t) for t in rng.integers(0, VOCAB, rng.integers(0, 7))]
+            turn_rows.append((list(history), reasoning))
+            history = history + reasoning  # the next turn's prompt holds this turn's response
+    chosen = [turn_rows[int(i)] for i in rng.integers(0, len(turn_rows), draws)]  # with replacement
+    return ScoringBatch.from_rows([p for p, _ in chosen], [z for _, z in chosen], list(range(draws)))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("budget", [45, 100_000])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trajectory_shaped_batches_match_the_reference_and_run_each_prefix_once(family, budget, seed):
+    scorer = tiny_scorer(family, torch.float64)
+    batch = trajectory_batch(seed)
+    fast = score_batch(scorer, batch, ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=5))
+    assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=3), 1e-10)
+    distinct = set(batch.column_prompts)
+    prefixes = {p[:n] for p in distinct for n in range(1, len(p) + 1)}
+    queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
+    assert fast.tokens_processed == len(prefixes) + queries
+
+
+@pytest.mark.parametrize("budget", [45, 500])
+def test_trajectory_batches_stay_within_the_token_budget(budget):
+    scorer = tiny_scorer("llama", torch.float64)
+    log = _ForwardLog(scorer)
+    try:
+        score_batch(
+            scorer, trajectory_batch(2, trajectories=4, turns=4, draws=12), ScoringConfig(max_batch_tokens=budget)
+        )
+    finally:
+        log.close()
+    assert max(log.forward_tokens) <= budget
