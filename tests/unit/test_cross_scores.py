@@ -225,3 +225,25 @@ def test_trajectory_batches_stay_within_the_token_budget(budget):
     finally:
         log.close()
     assert max(log.forward_tokens) <= budget
+
+
+def test_bfloat16_kernel_errs_no_more_than_the_naive_bfloat16_forward():
+    """Against float32, per-token RMS and per-sequence p99 errors are within 1.25x the naive bf16 forward's."""
+    fp32 = tiny_scorer("llama", torch.float32, seed=3)
+    bf16 = tiny_scorer("llama", torch.float32, seed=3)
+    bf16.model.to(dtype=torch.bfloat16)
+    batch = random_batch(seed=9, n_groups=6, per_group=4, system_len=24)
+    truth = score_batch_naive(fp32, batch, micro_batch_size=8)
+    kernel = score_batch(bf16, batch, ScoringConfig())
+    naive = score_batch_naive(bf16, batch, micro_batch_size=8)
+    scored = batch.reasoning_lengths > 0
+
+    def errors(scores):
+        token_rms = float(np.sqrt(np.mean((scores.L_tok - truth.L_tok)[scored] ** 2)))
+        sequence_p99 = float(np.percentile(np.abs(scores.L_seq - truth.L_seq)[scored], 99))
+        return token_rms, sequence_p99
+
+    (kernel_rms, kernel_p99), (naive_rms, naive_p99) = errors(kernel), errors(naive)
+    assert naive_rms > 0
+    assert kernel_rms <= 1.25 * naive_rms
+    assert kernel_p99 <= 1.25 * naive_p99
