@@ -186,6 +186,7 @@ class _Run:
         self.reasonings = reasonings
         self.prompt_of_row = prompt_of_row
         self.tree = tree
+        self.packed = config.attention == "packed" or (config.attention == "auto" and self.device.type == "cuda")
         self.computed: dict[int, Segment] = {}  # tree node -> its keys and values, seen by every row below it
         self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
@@ -196,6 +197,7 @@ class _Run:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs right-padded ``sequences`` with ``plan``; returns hidden [B, Q, H] and the valid mask [B, Q]."""
         ids, mask = _pad(sequences, self.device)
+        plan.packed = self.packed
         positions = torch.tensor(start_positions, device=self.device)[:, None] + torch.arange(
             ids.shape[1], device=self.device
         )

@@ -247,3 +247,24 @@ def test_bfloat16_kernel_errs_no_more_than_the_naive_bfloat16_forward():
     assert naive_rms > 0
     assert kernel_rms <= 1.25 * naive_rms
     assert kernel_p99 <= 1.25 * naive_p99
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("shape", ["first-turn", "trajectory", "nested-edge-cases"])
+@pytest.mark.parametrize("budget", [45, 100_000])
+def test_the_packed_flex_attention_path_matches_the_reference(family, shape, budget):
+    """The CUDA path's masks, run eagerly on CPU: which keys each packed token sees, for every shape."""
+    scorer = tiny_scorer(family, torch.float64)
+    if shape == "first-turn":
+        batch = random_batch(seed=11)
+    elif shape == "trajectory":
+        batch = trajectory_batch(3, trajectories=3, turns=3, draws=8)
+    else:
+        batch = ScoringBatch.from_rows(
+            [[3, 4, 5, 6], [3, 4, 5, 6, 8, 9], [3, 4], [9, 1], [7]],
+            [[1, 2, 3], [4], [], [5, 6], [2, 2, 2, 2]],
+            range(5),
+        )
+    config = ScoringConfig(max_batch_tokens=budget, attention="packed")
+    fast = score_batch(scorer, batch, config)
+    assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=4), 1e-10)
