@@ -45,7 +45,7 @@ class Segment:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    rows: torch.Tensor | None = None  # [n] batch rows attending to it; None: every row
+    rows: torch.Tensor | slice | None = None  # [n] batch rows attending to it, or a range of them; None: every row
 
 
 @dataclass
@@ -164,6 +164,7 @@ def cascade_attention(
     for segment in segments:
         seg_k = segment.keys[layer].to(work)[None]  # [1, kv, S, D]
         seg_v = segment.values[layer].to(work)[None]
+        # A range of rows is a view: no gather of the queries, no scatter of the merge.
         rows = segment.rows if segment.rows is not None else slice(None)
         q_seg = folded[rows]  # [n, kv, g*Q, D]
         n = q_seg.shape[0]
@@ -173,11 +174,10 @@ def cascade_attention(
         )
         seg_out = seg_out.reshape(kv_heads, n, groups * q_len, dim).transpose(0, 1).reshape(n, heads, q_len, dim)
         seg_lse = seg_lse.reshape(kv_heads, n, groups * q_len).transpose(0, 1).reshape(n, heads, q_len)
-        merged = torch.logaddexp(lse[rows], seg_lse)
-        out[rows] = (
-            out[rows] * torch.exp(lse[rows] - merged)[..., None] + seg_out * torch.exp(seg_lse - merged)[..., None]
-        )
-        lse[rows] = merged
+        # out <- w out + (1 - w) seg_out with w = exp(lse - merged) = sigmoid(lse - seg_lse).
+        kept = torch.sigmoid(lse[rows] - seg_lse)[..., None]
+        out[rows] = torch.lerp(seg_out, out[rows], kept)
+        lse[rows] = torch.logaddexp(lse[rows], seg_lse)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 

@@ -188,6 +188,7 @@ class _Run:
         self.tree = tree
         self.packed = config.attention == "packed" or (config.attention == "auto" and self.device.type == "cuda")
         self.computed: dict[int, Segment] = {}  # tree node -> its keys and values, seen by every row below it
+        self.joined: dict[tuple[int, ...], Segment] = {}  # nodes -> their keys and values, concatenated
         self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
         self.tokens_processed = 0
@@ -208,18 +209,36 @@ class _Run:
         return out.last_hidden_state, mask.bool()
 
     def segments(self, paths: Sequence[Sequence[int]]) -> list[Segment]:
-        """The computed nodes on the batch rows' ``paths``, each listing the rows it is on."""
+        """The computed nodes on the batch rows' ``paths``, as segments listing the rows that see them.
+
+        Nodes seen by exactly the same rows (a prompt's own branch below where it leaves the
+        batch's other prompts) are joined into one segment, so that attention runs one call per
+        group of rows rather than one per tree node.
+        """
         rows_of: dict[int, list[int]] = {}
         for b, path in enumerate(paths):
             for n in path:
                 rows_of.setdefault(n, []).append(b)
-        return [
-            # A node every row sees needs no row gather.
-            self.computed[n]
-            if len(rows) == len(paths)
-            else Segment(self.computed[n].keys, self.computed[n].values, torch.tensor(rows, device=self.device))
-            for n, rows in rows_of.items()
-        ]
+        nodes_of: dict[tuple[int, ...], list[int]] = {}
+        for n, rows in rows_of.items():
+            nodes_of.setdefault(tuple(rows), []).append(n)
+        segments = []
+        for seen_by, nodes in nodes_of.items():
+            joined = self._joined(tuple(nodes))
+            segments.append(Segment(joined.keys, joined.values, _rows(list(seen_by), len(paths), self.device)))
+        return segments
+
+    def _joined(self, nodes: tuple[int, ...]) -> Segment:
+        if len(nodes) == 1:
+            return self.computed[nodes[0]]
+        if nodes not in self.joined:
+            parts = [self.computed[n] for n in nodes]
+            layers = range(len(parts[0].keys))
+            self.joined[nodes] = Segment(
+                keys=[torch.cat([p.keys[i] for p in parts], dim=1) for i in layers],
+                values=[torch.cat([p.values[i] for p in parts], dim=1) for i in layers],
+            )
+        return self.joined[nodes]
 
     def encode_nodes(self, prompts: Sequence[int]) -> None:
         """Runs the not yet computed nodes of the prompts' paths, ancestors first, each exactly once."""
@@ -234,6 +253,7 @@ class _Run:
     def keep(self, nodes: set[int]) -> None:
         """Frees the keys and values of every computed node not in ``nodes``."""
         self.computed = {n: s for n, s in self.computed.items() if n in nodes}
+        self.joined = {key: s for key, s in self.joined.items() if nodes.issuperset(key)}
 
     def _encode(self, group: list[int]) -> None:
         nodes = [self.tree.nodes[n] for n in group]
@@ -298,6 +318,15 @@ class _Run:
             self.L[r, u] += sums[b]
             if self.prompt_of_row[r] == u:
                 self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[r]) - 1]
+
+
+def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice | None:
+    """Rows ascending, as cheaply as attention can take them: all (None), a range (a view), or a list."""
+    if len(rows) == batch:
+        return None
+    if rows[-1] - rows[0] + 1 == len(rows):  # pairs are batched prompt by prompt: usually a range
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, device=device)
 
 
 def _pad(sequences: Sequence[Tokens], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

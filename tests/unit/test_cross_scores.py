@@ -142,7 +142,7 @@ class _ForwardLog:
             if segment.rows is None:
                 attended += length
             else:
-                attended[segment.rows.cpu()] += length
+                attended[segment.rows if isinstance(segment.rows, slice) else segment.rows.cpu()] += length
         self.forward_tokens.append(int((attended + ids.shape[1]).sum()))
 
     def _on_head(self, _module, _args, output):
