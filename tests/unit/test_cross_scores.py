@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from scoring import ScoringBatch, ScoringConfig, ScoringError, score_batch, score_batch_naive
-from tests.conftest import VOCAB, random_batch, tiny_scorer
+from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 
 def assert_scores_close(a, b, atol):
@@ -182,22 +182,6 @@ def test_token_ids_outside_the_vocabulary_are_refused(llama64):
     batch = ScoringBatch.from_rows([[1, 2]], [[VOCAB + 3]], [0])
     with pytest.raises(ScoringError, match=f"row 0: reasoning token id {VOCAB + 3} is outside the vocabulary of 64"):
         score_batch(llama64, batch, ScoringConfig())
-
-
-def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: int = 7) -> ScoringBatch:
-    """The trajectory sampler's shape: columns are turns; a trajectory's turns share its history."""
-    rng = np.random.default_rng(seed)
-    system = [int(t) for t in rng.integers(0, VOCAB, 8)]
-    turn_rows = []
-    for _ in range(trajectories):
-        history = list(system)
-        for _ in range(turns):
-            history = history + [int(t) for t in rng.integers(0, VOCAB, rng.integers(1, 6))]
-            reasoning = [int(t) for t in rng.integers(0, VOCAB, rng.integers(0, 7))]
-            turn_rows.append((list(history), reasoning))
-            history = history + reasoning  # the next turn's prompt holds this turn's response
-    chosen = [turn_rows[int(i)] for i in rng.integers(0, len(turn_rows), draws)]  # with replacement
-    return ScoringBatch.from_rows([p for p, _ in chosen], [z for _, z in chosen], list(range(draws)))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
