@@ -8,7 +8,8 @@ scorer processes / minimal_tokens, the fewest tokens exact scoring must process:
 prompt prefix once, then z_r[:-1] per pair), limit_share (speedup / token_ratio: the share of the
 token-count limit the kernel reaches), max_abs_diff_L_seq, max_abs_diff_entropy, the model's FLOPs
 per scored token, the kernel's achieved FLOP/s, MFU on a GPU with a known bf16 dense peak, and the
-settings. Both scorers run on the same batch in the same process, so the ratios are measured under
+settings. On CPU, cpu_limit_share is limit_share from this process's CPU seconds, steadier than
+wall time on a machine shared with other work. Both scorers run on the same batch in the same process, so the ratios are measured under
 the same machine load.
 
 Shapes (prompts share one system prompt; token counts are exact, lengths vary by a seeded +-10%):
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -252,13 +254,14 @@ def load(args: argparse.Namespace, config: ScoringConfig) -> Scorer:
 
 
 def timed(fn):
+    """The result, wall seconds and this process's CPU seconds (all threads)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     result = fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return result, time.perf_counter() - start
+    return result, time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def main() -> None:
@@ -284,8 +287,10 @@ def main() -> None:
     score_batch(scorer, warmup, config)
     score_batch_naive(scorer, warmup)
 
-    kernel, kernel_seconds = timed(lambda: score_batch(scorer, batch, config))
-    naive, naive_seconds = timed(lambda: score_batch_naive(scorer, batch, micro_batch_size=args.naive_micro_batch))
+    kernel, kernel_seconds, kernel_cpu = timed(lambda: score_batch(scorer, batch, config))
+    naive, naive_seconds, naive_cpu = timed(
+        lambda: score_batch_naive(scorer, batch, micro_batch_size=args.naive_micro_batch)
+    )
     entropy_diff = max(
         (float(np.abs(a - b).max()) for a, b in zip(kernel.token_entropy, naive.token_entropy, strict=True) if len(a)),
         default=0.0,
@@ -319,6 +324,12 @@ def main() -> None:
                 "flops_per_scored_token": round(flops / scored),
                 "kernel_flops_per_second": round(flops / kernel_seconds),
                 "mfu_bf16_dense": None if peak is None else round(flops / kernel_seconds / peak, 4),
+                # On a shared CPU the wall-clock ratio moves with other work's load between the two
+                # runs; CPU seconds of this process do much less so.
+                "naive_cpu_seconds": round(naive_cpu, 3),
+                "kernel_cpu_seconds": round(kernel_cpu, 3),
+                "cpu_limit_share": round(naive_cpu / kernel_cpu / token_ratio, 3),
+                "load_average_1m": round(os.getloadavg()[0], 2),
                 "max_abs_diff_L_seq": float(np.abs(kernel.L_seq - naive.L_seq).max()),
                 "max_abs_diff_entropy": entropy_diff,
                 "max_batch_tokens": args.max_batch_tokens,
