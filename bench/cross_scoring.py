@@ -9,8 +9,8 @@ prompt prefix once, then z_r[:-1] per pair), limit_share (speedup / token_ratio:
 token-count limit the kernel reaches), max_abs_diff_L_seq, max_abs_diff_entropy, the model's FLOPs
 per scored token, the kernel's achieved FLOP/s, MFU on a GPU with a known bf16 dense peak, and the
 settings. On CPU, cpu_limit_share is limit_share from this process's CPU seconds, steadier than
-wall time on a machine shared with other work. Both scorers run on the same batch in the same process, so the ratios are measured under
-the same machine load.
+wall time on a machine shared with other work. Both scorers run on the same batch in the same
+process, so the ratios are measured under the same machine load.
 
 Shapes (prompts share one system prompt; token counts are exact, lengths vary by a seeded +-10%):
     first-turn   8 prompts of ~200 tokens (130 shared), 4 traces each of ~64 tokens
