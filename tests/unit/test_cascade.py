@@ -16,7 +16,8 @@ def naive(query, key, value, segments, scale):
     for b in range(batch):
         keys, values = [], []
         for segment in segments:
-            if segment.rows is None or b in segment.rows.tolist():
+            rows = segment.rows
+            if rows is None or b in (range(batch)[rows] if isinstance(rows, slice) else rows.tolist()):
                 keys.append(segment.keys[0])
                 values.append(segment.values[0])
         shared = sum(k.shape[1] for k in keys)
@@ -47,6 +48,7 @@ def test_cascade_attention_equals_attention_over_the_concatenation(fused, heads,
         Segment(keys=[rand(kv_heads, 7, dim)], values=[rand(kv_heads, 7, dim)]),
         Segment(keys=[rand(kv_heads, 4, dim)], values=[rand(kv_heads, 4, dim)], rows=torch.tensor([0, 2])),
         Segment(keys=[rand(kv_heads, 9, dim)], values=[rand(kv_heads, 9, dim)], rows=torch.tensor([1])),
+        Segment(keys=[rand(kv_heads, 5, dim)], values=[rand(kv_heads, 5, dim)], rows=slice(1, 3)),  # a range
     ]
     got = cascade_attention(query, key, value, segments, layer=0, scaling=0.3, fused=fused)
     torch.testing.assert_close(got, naive(query, key, value, segments, 0.3), atol=1e-12, rtol=0)
@@ -77,6 +79,7 @@ def test_packed_flex_attention_equals_attention_over_the_concatenation(block_siz
         Segment(keys=[rand(kv_heads, 4, dim)], values=[rand(kv_heads, 4, dim)], rows=torch.tensor([0, 2])),
         Segment(keys=[rand(kv_heads, 9, dim)], values=[rand(kv_heads, 9, dim)], rows=torch.tensor([1])),
         Segment(keys=[rand(kv_heads, 3, dim)], values=[rand(kv_heads, 3, dim)], rows=torch.tensor([1, 3])),
+        Segment(keys=[rand(kv_heads, 6, dim)], values=[rand(kv_heads, 6, dim)], rows=slice(1, 3)),  # a range
     ]
     mask = block_mask(segments, batch, q_len, torch.device("cpu"), block_size)
     got = packed_attention(query, key, value, segments, layer=0, scaling=0.3, mask=mask)
