@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -117,3 +119,36 @@ def test_the_block_mask_lists_every_block_holding_a_visible_key_and_only_those(b
     padded[:queries, :keys] = dense
     holds_visible = padded.reshape(listed.shape[0], block_size, listed.shape[1], block_size).any(3).any(1)
     assert torch.equal(listed, holds_visible)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"
+)  # torch.compile's own import
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="compiling needs a C compiler")
+def test_compiled_flex_attention_skips_blocks_by_the_block_indices_and_stays_exact():
+    """Eager FlexAttention reads only mask_mod; compiled, it visits only the listed blocks (as on CUDA)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gen = torch.Generator().manual_seed(2)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    batch, heads, kv_heads, q_len, dim = 4, 6, 2, 40, 16
+    query, key, value = (
+        rand(batch, heads, q_len, dim),
+        rand(batch, kv_heads, q_len, dim),
+        rand(batch, kv_heads, q_len, dim),
+    )
+    segments = [
+        Segment(keys=[rand(kv_heads, 70, dim)], values=[rand(kv_heads, 70, dim)]),
+        Segment(keys=[rand(kv_heads, 30, dim)], values=[rand(kv_heads, 30, dim)], rows=torch.tensor([0, 3])),
+        Segment(keys=[rand(kv_heads, 50, dim)], values=[rand(kv_heads, 50, dim)], rows=slice(1, 3)),
+    ]
+    mask = block_mask(segments, batch, q_len, torch.device("cpu"), 128)
+    k = torch.cat([*(s.keys[0] for s in segments), key.transpose(0, 1).reshape(kv_heads, -1, dim)], 1)[None]
+    v = torch.cat([*(s.values[0] for s in segments), value.transpose(0, 1).reshape(kv_heads, -1, dim)], 1)[None]
+    q = query.transpose(0, 1).reshape(1, heads, batch * q_len, dim)
+    out = torch.compile(flex_attention, dynamic=True)(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
+    got = out.reshape(heads, batch, q_len, dim).permute(1, 2, 0, 3)
+    torch.testing.assert_close(got, naive(query, key, value, segments, 0.25), atol=1e-5, rtol=0)
