@@ -137,9 +137,13 @@ def build_batch(encode, shape: str, quick: bool, prompts: int | None = None, see
     rng = np.random.default_rng(seed)
     system = token_stream(encode, rng, SYSTEM_TOKENS)
     rows_prompts, reasonings, groups = [], [], []
+    seen: set[Tokens] = set()
     for g in range(n_prompts):
         length = round(prompt_len * rng.uniform(0.95, 1.05))
         prompt = system + token_stream(encode, rng, length - SYSTEM_TOKENS)
+        while prompt in seen:  # distinct prompts (short tails of few sentences can repeat)
+            prompt = system + token_stream(encode, rng, length - SYSTEM_TOKENS)
+        seen.add(prompt)
         for _ in range(per_prompt):
             rows_prompts.append(prompt)
             reasonings.append(token_stream(encode, rng, round(trace_len * rng.uniform(0.9, 1.1))))
