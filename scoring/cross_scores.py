@@ -211,21 +211,23 @@ class _Run:
     def segments(self, paths: Sequence[Sequence[int]]) -> list[Segment]:
         """The computed nodes on the batch rows' ``paths``, as segments listing the rows that see them.
 
-        Nodes seen by exactly the same rows (a prompt's own branch below where it leaves the
-        batch's other prompts) are joined into one segment, so that attention runs one call per
-        group of rows rather than one per tree node.
+        The nodes every row sees form one segment; each row's remaining nodes are joined into one
+        segment per distinct remainder (a prompt's own branch). Attention then runs one call per
+        group of rows, as many as the batch has prompts, not one per tree node: each call costs
+        as much bookkeeping as a large one (measured on SmolLM2, CPU).
         """
-        rows_of: dict[int, list[int]] = {}
+        every = set(paths[0]).intersection(*map(set, paths[1:]))
+        rows_of: dict[tuple[int, ...], list[int]] = {}
         for b, path in enumerate(paths):
-            for n in path:
-                rows_of.setdefault(n, []).append(b)
-        nodes_of: dict[tuple[int, ...], list[int]] = {}
-        for n, rows in rows_of.items():
-            nodes_of.setdefault(tuple(rows), []).append(n)
+            rows_of.setdefault(tuple(n for n in path if n not in every), []).append(b)
         segments = []
-        for seen_by, nodes in nodes_of.items():
-            joined = self._joined(tuple(nodes))
-            segments.append(Segment(joined.keys, joined.values, _rows(list(seen_by), len(paths), self.device)))
+        if every:
+            shared = self._joined(tuple(n for n in paths[0] if n in every))
+            segments.append(Segment(shared.keys, shared.values))
+        for nodes, rows in rows_of.items():
+            if nodes:
+                joined = self._joined(nodes)
+                segments.append(Segment(joined.keys, joined.values, _rows(rows, len(paths), self.device)))
         return segments
 
     def _joined(self, nodes: tuple[int, ...]) -> Segment:
