@@ -1,37 +1,60 @@
-"""Cross-scoring speed: the prefix-shared kernel against the naive per-pair scorer, in one run.
+"""Cross-scoring speed: the prefix-tree kernel against the naive per-pair scorer, in one run.
 
-    python bench/cross_scoring.py --model smollm2-135m --shape first-turn [--quick]
+    python bench/cross_scoring.py --model smollm2-135m --shape first-turn [--quick] [--prompts N]
+    python bench/cross_scoring.py --model qwen2.5-1.5b-shape --shape trajectory --dtype bfloat16
 
 Prints one JSON object: naive_seconds, kernel_seconds, speedup, token_ratio (tokens the naive
-scorer processes / the fewest tokens exact scoring must process), max_abs_diff_L_seq,
-max_abs_diff_entropy, rows, columns, and the settings. Both scorers run on the same batch in the
-same process, so the speedup is a ratio measured under the same machine load.
+scorer processes / minimal_tokens, the fewest tokens exact scoring must process: every distinct
+prompt prefix once, then z_r[:-1] per pair), limit_share (speedup / token_ratio: the share of the
+token-count limit the kernel reaches), max_abs_diff_L_seq, max_abs_diff_entropy, the model's FLOPs
+per scored token, the kernel's achieved FLOP/s, MFU on a GPU with a known bf16 dense peak, and the
+settings. On CPU, cpu_limit_share is limit_share from this process's CPU seconds, steadier than
+wall time on a machine shared with other work. Both scorers run on the same batch in the same
+process, so the ratios are measured under the same machine load.
 
 Shapes (prompts share one system prompt; token counts are exact, lengths vary by a seeded +-10%):
     first-turn   8 prompts of ~200 tokens (130 shared), 4 traces each of ~64 tokens
     multi-turn   8 prompts of ~1,000 tokens (dialogue history), 4 traces each of ~128 tokens
-    --quick      4 prompts, 2 traces each, prompts and traces halved: under a minute with
-                 SmolLM2 on 2 CPU cores
+    trajectory   the trajectory sampler: 8 trajectories of 4 turns (each turn adds ~120 tokens of
+                 observation to the previous turn's prompt and response), 16 (trajectory, turn)
+                 draws with replacement, each its own column; turns of one trajectory share its
+                 history, other trajectories only the system prompt
+    --quick      halved: 4 prompts (trajectories: 4 of 3 turns, 8 draws), 2 traces each, prompts
+                 and traces halved: under a minute with SmolLM2 on 2 CPU cores
+    --prompts N  N distinct prompts instead (first-turn, multi-turn)
+
+Models: the scorer names of ``scoring.models`` (tiny-random, smollm2-135m, a folder, a .gguf), or a
+random-weight model built from a published configuration (no download; weights do not change
+speed): smollm2-135m-shape, qwen2.5-0.5b-shape, qwen2.5-1.5b-shape, llama-3.2-1b-shape. These use
+the tiny-random tokenizer's ids (all below 512), valid in every vocabulary here.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch, score_batch_naive
+from scoring import Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch, score_batch_naive, verify_scorer
 from scoring.batch import Tokens
+from scoring.models import build_tiny_random, resolve_device
+from scoring.prefix_tree import build as build_tree
+from scoring.samplers import Trajectory, Turn, sample_trajectory_uniform
 
 SHAPES = {
     # prompts, traces per prompt, prompt tokens, trace tokens
     "first-turn": (8, 4, 200, 64),
     "multi-turn": (8, 4, 1000, 128),
+    # trajectories, turns, observation tokens per turn, trace tokens; draws below
+    "trajectory": (8, 4, 120, 64),
 }
+TRAJECTORY_DRAWS = 16
 SYSTEM_TOKENS = 130
 SENTENCES = (
     "You are an agent solving a puzzle in a grid world.",
@@ -47,6 +70,53 @@ SENTENCES = (
     "Let me count the tiles between the player and the goal before acting.",
     "If I go down now the hole blocks the only path, so up is safer.",
 )
+# Published configurations (the models' config.json on the Hugging Face hub), as transformers kwargs.
+MODEL_SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "smollm2-135m-shape": (
+        "llama",
+        {
+            "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+            "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+            "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        },
+    ),
+    "qwen2.5-0.5b-shape": (
+        "qwen2",
+        {
+            "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+            "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
+        },
+    ),
+    "qwen2.5-1.5b-shape": (
+        "qwen2",
+        {
+            "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+            "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "use_sliding_window": False,
+        },
+    ),
+    "llama-3.2-1b-shape": (
+        "llama",
+        {
+            "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+            "rope_scaling": {
+                "factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3",
+            },
+        },
+    ),
+}  # fmt: skip
+# Dense bf16 tensor-core peaks (vendor datasheets, without sparsity), by device-name substring.
+BF16_DENSE_PEAK_FLOPS = (
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100", 989.4e12),
+    ("A100", 312.0e12),
+    ("L40S", 362.1e12),
+)
 
 
 def token_stream(encode, rng: np.random.Generator, n_tokens: int) -> Tokens:
@@ -57,21 +127,50 @@ def token_stream(encode, rng: np.random.Generator, n_tokens: int) -> Tokens:
     return tuple(ids[:n_tokens])
 
 
-def build_batch(encode, shape: str, quick: bool, seed: int = 0) -> ScoringBatch:
+def build_batch(encode, shape: str, quick: bool, prompts: int | None = None, seed: int = 0) -> ScoringBatch:
+    if shape == "trajectory":
+        return trajectory_batch(encode, quick, seed)
     n_prompts, per_prompt, prompt_len, trace_len = SHAPES[shape]
     if quick:
         n_prompts, per_prompt, prompt_len, trace_len = 4, 2, max(prompt_len // 2, SYSTEM_TOKENS + 20), trace_len // 2
+    n_prompts = prompts or n_prompts
     rng = np.random.default_rng(seed)
     system = token_stream(encode, rng, SYSTEM_TOKENS)
-    prompts, reasonings, groups = [], [], []
+    rows_prompts, reasonings, groups = [], [], []
+    seen: set[Tokens] = set()
     for g in range(n_prompts):
         length = round(prompt_len * rng.uniform(0.95, 1.05))
         prompt = system + token_stream(encode, rng, length - SYSTEM_TOKENS)
+        while prompt in seen:  # distinct prompts (short tails of few sentences can repeat)
+            prompt = system + token_stream(encode, rng, length - SYSTEM_TOKENS)
+        seen.add(prompt)
         for _ in range(per_prompt):
-            prompts.append(prompt)
+            rows_prompts.append(prompt)
             reasonings.append(token_stream(encode, rng, round(trace_len * rng.uniform(0.9, 1.1))))
             groups.append(g)
-    return ScoringBatch.from_rows(prompts, reasonings, groups)
+    return ScoringBatch.from_rows(rows_prompts, reasonings, groups)
+
+
+def trajectory_batch(encode, quick: bool, seed: int) -> ScoringBatch:
+    """Rows the trajectory sampler draws from multi-turn rollouts (prompt t = prompt t-1 + response + observation)."""
+    n_traj, n_turns, obs_len, trace_len = SHAPES["trajectory"]
+    draws = TRAJECTORY_DRAWS
+    if quick:
+        n_traj, n_turns, obs_len, trace_len, draws = 4, 3, obs_len // 2, trace_len // 2, draws // 2
+    rng = np.random.default_rng(seed)
+    system = token_stream(encode, rng, SYSTEM_TOKENS)
+    trajectories = []
+    for m in range(n_traj):
+        history, turns = system, []
+        for _ in range(n_turns):
+            history = history + token_stream(encode, rng, round(obs_len * rng.uniform(0.9, 1.1)))
+            reasoning = token_stream(encode, rng, round(trace_len * rng.uniform(0.9, 1.1)))
+            turns.append(Turn(prompt_ids=history, reasoning_ids=reasoning))
+            history = history + reasoning + token_stream(encode, rng, 8)  # the answer after the reasoning
+        trajectories.append(Trajectory(group_id=m, turns=tuple(turns)))
+    sampled = sample_trajectory_uniform(trajectories, draws, seed)
+    assert sampled is not None
+    return sampled.batch
 
 
 def minimal_tokens(batch: ScoringBatch) -> int:
@@ -89,21 +188,92 @@ def minimal_tokens(batch: ScoringBatch) -> int:
     return nodes + len(distinct) * sum(max(len(z) - 1, 0) for z in batch.reasonings)
 
 
+def one_level_tokens(batch: ScoringBatch) -> int:
+    """What sharing only the prefix common to all prompts (the kernel before the prefix tree) runs."""
+    distinct = list(set(batch.column_prompts))
+    shared = 0
+    while shared < min(map(len, distinct)) - 1 and len({p[shared] for p in distinct}) == 1:
+        shared += 1
+    queries = len(distinct) * sum(max(len(z) - 1, 0) for z in batch.reasonings)
+    return shared + sum(len(p) - shared for p in distinct) + queries
+
+
+def model_flops(scorer: Scorer, batch: ScoringBatch) -> tuple[float, int]:
+    """FLOPs of exact scoring and the number of scored tokens.
+
+    Per token run: 2 x the dense (linear) parameters of the layers, plus attention, 4 x heads x
+    head_dim per layer per attended position (QK^T and PV, each position attending to itself and
+    all before it). The vocabulary projection, 2 x hidden x vocabulary, only at scored positions.
+    Counts the work of the minimal token set; the naive scorer does more.
+    """
+    config = scorer.model.config
+    base = scorer.model.base_model
+    dense = sum(
+        m.weight.numel() for m in base.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
+    )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = config.num_hidden_layers
+    head = scorer.model.get_output_embeddings().weight
+    prompts = list(set(batch.column_prompts))
+    tree = build_tree(prompts)
+    tokens = tree.tokens
+    attended = sum(sum(range(n.start + 1, n.start + len(n.tokens) + 1)) for n in tree.nodes)
+    scored = 0
+    for p in prompts:
+        for z in batch.reasonings:
+            queries = max(len(z) - 1, 0)
+            tokens += queries
+            attended += sum(range(len(p) + 1, len(p) + queries + 1))
+            scored += len(z)
+    flops = 2.0 * dense * tokens + 4.0 * heads * head_dim * layers * attended + 2.0 * head.numel() * scored
+    return flops, scored
+
+
+def bf16_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_DENSE_PEAK_FLOPS if key in name), None)
+
+
+def load(args: argparse.Namespace, config: ScoringConfig) -> Scorer:
+    if args.model not in MODEL_SHAPES:
+        return load_scorer(config, args.cache_dir)
+    import transformers
+
+    family, kwargs = MODEL_SHAPES[args.model]
+    model_config = getattr(transformers, "Qwen2Config" if family == "qwen2" else "LlamaConfig")(
+        **kwargs, initializer_range=0.02, attn_implementation="sdpa"
+    )
+    device = resolve_device(config.device)
+    with torch.device(device), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(model_config).eval()
+    _, tokenizer = build_tiny_random()
+    scorer = Scorer(name=args.model, model=model, tokenizer=tokenizer)
+    verify_scorer(scorer)  # in float32, as load_scorer
+    model.to(dtype=getattr(torch, config.dtype))
+    return scorer
+
+
 def timed(fn):
+    """The result, wall seconds and this process's CPU seconds (all threads)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     result = fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return result, time.perf_counter() - start
+    return result, time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-random", help="tiny-random, smollm2-135m, a folder or a .gguf")
+    parser.add_argument("--model", default="tiny-random", help=f"a scorer name or one of {', '.join(MODEL_SHAPES)}")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="first-turn")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--prompts", type=int, help="distinct prompts (first-turn, multi-turn)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
@@ -111,40 +281,59 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/collapse-monitor").expanduser())
     args = parser.parse_args()
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (the 1e-3 nats check)
     config = ScoringConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_batch_tokens=args.max_batch_tokens
     )
-    scorer = load_scorer(config, args.cache_dir)
-    batch = build_batch(scorer.encode, args.shape, args.quick)
+    scorer = load(args, config)
+    batch = build_batch(scorer.encode, args.shape, args.quick, args.prompts)
     warmup = ScoringBatch.from_rows([batch.prompts[0][:8]], [batch.reasonings[0][:8]], [0])
     score_batch(scorer, warmup, config)
     score_batch_naive(scorer, warmup)
 
-    kernel, kernel_seconds = timed(lambda: score_batch(scorer, batch, config))
-    naive, naive_seconds = timed(lambda: score_batch_naive(scorer, batch, micro_batch_size=args.naive_micro_batch))
+    kernel, kernel_seconds, kernel_cpu = timed(lambda: score_batch(scorer, batch, config))
+    naive, naive_seconds, naive_cpu = timed(
+        lambda: score_batch_naive(scorer, batch, micro_batch_size=args.naive_micro_batch)
+    )
     entropy_diff = max(
         (float(np.abs(a - b).max()) for a, b in zip(kernel.token_entropy, naive.token_entropy, strict=True) if len(a)),
         default=0.0,
     )
     needed = minimal_tokens(batch)
+    flops, scored = model_flops(scorer, batch)
+    peak = bf16_peak(scorer.device)
+    speedup = naive_seconds / kernel_seconds
+    token_ratio = naive.tokens_processed / needed
     print(
         json.dumps(
             {
                 "model": args.model,
                 "shape": args.shape,
                 "quick": args.quick,
-                "device": str(scorer.device),
+                "device": torch.cuda.get_device_name(scorer.device) if scorer.device.type == "cuda" else "cpu",
                 "dtype": args.dtype,
                 "torch_threads": torch.get_num_threads(),
                 "rows": batch.n_rows,
                 "columns": batch.n_columns,
+                "distinct_prompts": len(set(batch.column_prompts)),
                 "naive_seconds": round(naive_seconds, 3),
                 "kernel_seconds": round(kernel_seconds, 3),
-                "speedup": round(naive_seconds / kernel_seconds, 2),
-                "token_ratio": round(naive.tokens_processed / needed, 2),
+                "speedup": round(speedup, 2),
+                "token_ratio": round(token_ratio, 2),
+                "limit_share": round(speedup / token_ratio, 3),
                 "naive_tokens": naive.tokens_processed,
                 "kernel_tokens": kernel.tokens_processed,
                 "minimal_tokens": needed,
+                "one_level_prefix_tokens": one_level_tokens(batch),
+                "flops_per_scored_token": round(flops / scored),
+                "kernel_flops_per_second": round(flops / kernel_seconds),
+                "mfu_bf16_dense": None if peak is None else round(flops / kernel_seconds / peak, 4),
+                # On a shared CPU the wall-clock ratio moves with other work's load between the two
+                # runs; CPU seconds of this process do much less so.
+                "naive_cpu_seconds": round(naive_cpu, 3),
+                "kernel_cpu_seconds": round(kernel_cpu, 3),
+                "cpu_limit_share": round(naive_cpu / kernel_cpu / token_ratio, 3),
+                "load_average_1m": round(os.getloadavg()[0], 2),
                 "max_abs_diff_L_seq": float(np.abs(kernel.L_seq - naive.L_seq).max()),
                 "max_abs_diff_entropy": entropy_diff,
                 "max_batch_tokens": args.max_batch_tokens,

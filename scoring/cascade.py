@@ -11,6 +11,13 @@ tokens causally, and the partial softmaxes are merged exactly by their log-sum-e
 (m_s, l_s: row max and sum of exp(scores - m_s) within segment s). Naive equivalent: softmax
 attention over the concatenation [segment_1 ; ... ; own tokens].
 
+On CUDA a plan is ``packed``: every layer runs one FlexAttention call instead of one call per
+segment. The batch's queries are packed into one sequence, the keys are [segment_1 ; ... ; every
+sequence's own tokens], and a block mask built from block indices (never from a dense token mask)
+lists, for each block of queries, the key blocks it may see; within those blocks ``mask_mod`` says
+which keys each query sees: the segments listing its row, and its own row's tokens up to itself.
+Launches per layer no longer grow with the number of segments (prompts, tree nodes).
+
 The attention function is registered with transformers under ``collapse_monitor_cascade_<base>``
 and, when a forward carries no ``cascade`` plan, runs the model's own sdpa or eager attention, so
 the model behaves exactly as before for ordinary forwards. Must not import service/.
@@ -18,6 +25,7 @@ the model behaves exactly as before for ordinary forwards. Must not import servi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +46,7 @@ class Segment:
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    rows: torch.Tensor | None = None  # [n] batch rows attending to it; None: every row
+    rows: torch.Tensor | slice | None = None  # [n] batch rows attending to it, or a range of them; None: every row
 
 
 @dataclass
@@ -54,6 +62,9 @@ class CascadePlan:
     record: bool = False
     recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     check: Callable[[], None] | None = None
+    packed: bool = False  # one FlexAttention call per layer (``packed_attention``)
+    block_size: int = 128
+    masks: dict[tuple[int, int], Any] = field(default_factory=dict)  # (B, Q) -> block mask, shared by the layers
 
 
 def install(model: Any) -> None:
@@ -110,6 +121,12 @@ def _cascade_or(fallback: Any) -> Any:
         layer = int(module.layer_idx)  # type: ignore[arg-type]  # set on every HF attention module
         if cascade.record:
             cascade.recorded[layer] = (key, value)
+        if cascade.packed:
+            shape = (query.shape[0], query.shape[2])
+            if shape not in cascade.masks:
+                cascade.masks[shape] = block_mask(cascade.segments, *shape, query.device, cascade.block_size)
+            mask = cascade.masks[shape]
+            return packed_attention(query, key, value, cascade.segments, layer, kwargs.get("scaling"), mask), None
         return cascade_attention(query, key, value, cascade.segments, layer, kwargs.get("scaling")), None
 
     return attention
@@ -153,6 +170,7 @@ def cascade_attention(
     for segment in segments:
         seg_k = segment.keys[layer].to(work)[None]  # [1, kv, S, D]
         seg_v = segment.values[layer].to(work)[None]
+        # A range of rows is a view: no gather of the queries, no scatter of the merge.
         rows = segment.rows if segment.rows is not None else slice(None)
         q_seg = folded[rows]  # [n, kv, g*Q, D]
         n = q_seg.shape[0]
@@ -162,11 +180,10 @@ def cascade_attention(
         )
         seg_out = seg_out.reshape(kv_heads, n, groups * q_len, dim).transpose(0, 1).reshape(n, heads, q_len, dim)
         seg_lse = seg_lse.reshape(kv_heads, n, groups * q_len).transpose(0, 1).reshape(n, heads, q_len)
-        merged = torch.logaddexp(lse[rows], seg_lse)
-        out[rows] = (
-            out[rows] * torch.exp(lse[rows] - merged)[..., None] + seg_out * torch.exp(seg_lse - merged)[..., None]
-        )
-        lse[rows] = merged
+        # out <- w out + (1 - w) seg_out with w = exp(lse - merged) = sigmoid(lse - seg_lse).
+        kept = torch.sigmoid(lse[rows] - seg_lse)[..., None]
+        out[rows] = torch.lerp(seg_out, out[rows], kept)
+        lse[rows] = torch.logaddexp(lse[rows], seg_lse)
     return out.transpose(1, 2).contiguous().to(query.dtype)
 
 
@@ -183,3 +200,95 @@ def _attend(
         scores.masked_fill_(position[None, :] > position[:, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def block_mask(segments: list[Segment], batch: int, q_len: int, device: torch.device, block_size: int = 128) -> Any:
+    """The FlexAttention block mask of a packed forward (see ``packed_attention`` for the layout).
+
+    Built from block indices: for each block of packed queries (rows b_lo..b_hi), the key blocks
+    overlapping a segment one of those rows sees, and those overlapping the rows' own tokens up
+    to the block's last query. Within them, ``mask_mod`` decides token by token.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lengths = [int(s.keys[0].shape[1]) for s in segments]
+    shared = sum(lengths)
+    n_seg = len(segments)
+    queries, keys = batch * q_len, shared + batch * q_len
+    # seg_of_key has one extra entry, the dummy segment n_seg that no row sees, for own keys.
+    seg_of_key = torch.repeat_interleave(
+        torch.arange(n_seg + 1, device=device), torch.tensor([*lengths, 1], device=device)
+    )
+    member = torch.zeros(batch, n_seg + 1, dtype=torch.bool, device=device)
+    for i, s in enumerate(segments):
+        member[s.rows if s.rows is not None else slice(None), i] = True
+    # Tensors, not ints, so that one compiled kernel serves every forward's sizes.
+    q_len_t = torch.tensor(q_len, device=device)
+    shared_t = torch.tensor(shared, device=device)
+    last_row = torch.tensor(batch - 1, device=device)
+
+    def mask_mod(_b: Any, _h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        # Clamped lookups: a kernel may evaluate the mask past the ends, in its last partial block.
+        row = (q_idx // q_len_t).clamp(max=last_row)
+        own = kv_idx - shared_t
+        in_segment = member[row, seg_of_key[kv_idx.clamp(max=shared_t)]]
+        in_own = (own >= 0) & (own // q_len_t == row) & (own % q_len_t <= q_idx % q_len_t)
+        return in_segment | in_own
+
+    n_qb, n_kb = -(-queries // block_size), -(-keys // block_size)
+    q_start = torch.arange(n_qb, device=device) * block_size
+    q_end = torch.clamp(q_start + block_size, max=queries)  # exclusive
+    b_lo, b_hi = q_start // q_len, (q_end - 1) // q_len
+    rows_seen = torch.cat([torch.zeros(1, n_seg + 1, dtype=torch.long, device=device), member.long().cumsum(0)])
+    seen = (rows_seen[b_hi + 1] - rows_seen[b_lo]) > 0  # [n_qb, n_seg + 1]: a row of the block sees it
+    k_start = torch.arange(n_kb, device=device) * block_size
+    k_last = torch.clamp(k_start + block_size, max=keys) - 1
+    s_lo, s_hi = seg_of_key[k_start.clamp(max=shared)], seg_of_key[k_last.clamp(max=shared)]
+    seen_upto = torch.cat([torch.zeros(n_qb, 1, dtype=torch.long, device=device), seen.long().cumsum(1)], dim=1)
+    visible = (seen_upto[:, s_hi + 1] - seen_upto[:, s_lo]) > 0  # [n_qb, n_kb]: through segments
+    own_first, own_last = shared + b_lo * q_len, shared + q_end - 1
+    visible |= (k_start[None, :] <= own_last[:, None]) & (k_last[None, :] >= own_first[:, None])
+    counts = visible.sum(1, dtype=torch.int32)
+    indices = torch.sort((~visible).to(torch.int8), dim=1, stable=True).indices.to(torch.int32)
+    return BlockMask.from_kv_blocks(
+        counts[None, None], indices[None, None], BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(queries, keys)
+    )
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def packed_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: list[Segment],
+    layer: int,
+    scaling: float | None,
+    mask: Any,
+) -> torch.Tensor:
+    """``cascade_attention``'s result from one FlexAttention call over the packed batch.
+
+    Packed queries: row b's position i at b * Q + i. Packed keys: the segments' keys in order, then
+    row b's own key i at shared + b * Q + i. ``mask`` is ``block_mask`` of the same segments.
+    Compiled on CUDA (softmax statistics in float32 whatever the dtype); eager elsewhere, where it
+    materialises the scores and serves to test the mask on small shapes.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    own_k = key.transpose(0, 1).reshape(kv_heads, batch * q_len, dim)
+    own_v = value.transpose(0, 1).reshape(kv_heads, batch * q_len, dim)
+    k = torch.cat([*(s.keys[layer].to(key.dtype) for s in segments), own_k], dim=1)[None]
+    v = torch.cat([*(s.values[layer].to(value.dtype) for s in segments), own_v], dim=1)[None]
+    q = query.transpose(0, 1).reshape(1, heads, batch * q_len, dim)
+    if query.is_cuda:
+        attend = _COMPILED.setdefault("flex", torch.compile(flex_attention, dynamic=True))
+        out = attend(q, k, v, block_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
+    else:
+        with warnings.catch_warnings():  # eager is the point here: it checks the mask, not speed
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = flex_attention(q, k, v, block_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
+    result: torch.Tensor = out.reshape(heads, batch, q_len, dim).permute(1, 2, 0, 3).contiguous()
+    return result

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+Attention = Literal["auto", "packed", "cascade"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class ScoringConfig:
         max_batch_tokens: bound on every forward: sequences x (cached + new tokens).
         logits_chunk_tokens: hidden states projected onto the vocabulary per chunk, so no
             [pairs x length x vocab] tensor is ever held.
+        attention: how a forward attends to shared keys and values (``scoring.cascade``):
+            ``packed``, one FlexAttention call per layer; ``cascade``, one call per shared segment
+            merged by log-sum-exp; ``auto``, packed on CUDA (where it is compiled) and cascade
+            elsewhere (compiled FlexAttention on CPU costs ~26 s per compile and is no faster).
     """
 
     model: str = "tiny-random"
@@ -34,6 +39,7 @@ class ScoringConfig:
     temperature: float = 1.0
     max_batch_tokens: int = 16384
     logits_chunk_tokens: int = 512
+    attention: Attention = "auto"
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -44,5 +50,7 @@ class ScoringConfig:
             raise ValueError(f"logits_chunk_tokens must be >= 1, got {self.logits_chunk_tokens}")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, float64; got {self.dtype!r}")
+        if self.attention not in ("auto", "packed", "cascade"):
+            raise ValueError(f"attention must be one of auto, packed, cascade; got {self.attention!r}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

@@ -1,15 +1,17 @@
 """The cross-scoring kernel: L[r, j] = log p(z_r | x_j) for every reasoning row r and every column j.
 
 How the work is shared (naive scoring re-encodes [x_j ; z_r] for every pair):
-  1. prefix   the longest prefix shared by all distinct prompts goes through the model once;
-  2. prompts  each distinct prompt's remaining tokens run once, attending to the prefix; its last
-              hidden state gives log p(z_r[0] | x_j) for every row at once;
-  3. pairs    every (row, prompt) pair runs only z_r[:-1], attending to the prefix and the prompt,
+  1. prompts  the distinct prompts form a prefix tree (``scoring.prefix_tree``): every distinct
+              token prefix runs once, attending to its ancestors' keys and values (a system prompt
+              shared by all, a trajectory's history shared by its later turns, at any depth); each
+              prompt's last hidden state gives log p(z_r[0] | x_j) for every row at once;
+  2. pairs    every (row, prompt) pair runs only z_r[:-1], attending to the prompt's tree nodes,
               many pairs per forward.
 Shared keys and values are never copied per sequence: ``scoring.cascade`` attends to them in
 place. Only scored positions are projected onto the vocabulary, in chunks. Every forward holds at
 most ``max_batch_tokens`` tokens (sequences x (attended + new)); distinct prompts are processed in
-blocks within that budget, so their keys and values are bounded by it too.
+depth-first blocks whose new nodes fit that budget, and a node's keys and values are freed once no
+later prompt is below it, so the keys and values held are bounded by it too.
 Must not import service/.
 """
 
@@ -21,10 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from scoring import prefix_tree
 from scoring.batch import ScoringBatch, Tokens
 from scoring.cascade import CascadePlan, Segment, install
 from scoring.config import ScoringConfig
 from scoring.estimators import per_token
+from scoring.prefix_tree import PrefixTree
 from scoring.scorer import Scorer
 
 
@@ -71,12 +75,18 @@ def score_batch(
     prompt_of_row = prompt_of_column[np.asarray(batch.column_of_row)]  # [R]
     _check_lengths(scorer, batch, prompts, config.max_batch_tokens)
     install(scorer.model)
-    run = _Run(scorer, config, batch.reasonings, prompt_of_row, len(prompts), check)
+    tree = prefix_tree.build(prompts)
+    run = _Run(scorer, config, batch.reasonings, prompt_of_row, tree, check)
     with torch.inference_mode():
-        prefix_len = _shared_prefix_length(prompts)
-        prefix = run.encode_prefix(prompts[0][:prefix_len])
-        for block in _prompt_blocks(prompts, config.max_batch_tokens):
-            run.score_block(block, [prompts[u] for u in block], prefix_len, prefix)
+        order = [u for node in tree.nodes for u in node.ends]  # depth-first: a subtree's prompts together
+        done = 0
+        for block in _prompt_blocks(tree, order, config.max_batch_tokens):
+            run.encode_nodes(block)
+            for pairs in _pair_batches([prompts[u] for u in block], batch.reasonings, config.max_batch_tokens):
+                run.score_pairs([(block[i], r) for i, r in pairs], prompts)
+            done += len(block)
+            # Later prompts need only the nodes on their own paths: the others are freed.
+            run.keep({n for u in order[done:] for n in tree.path(u)})
 
     return CrossScores(
         L_seq=run.L[:, prompt_of_column],  # [R, N]: duplicate prompts share one scored column
@@ -97,8 +107,40 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(dim=-1)
 
 
+def vocabulary_projection(head: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [M, H] -> logits [M, V] in at least float32.
+
+    A half-precision head multiplies its half-precision inputs with float32 output: rounding the
+    logits themselves to bfloat16 (8 bits of mantissa on values of ~10) is the largest single error
+    of a bfloat16 scorer, and it is avoidable at no extra matmul cost on CUDA.
+    """
+    weight: torch.Tensor = head.weight  # type: ignore[assignment]  # an nn.Linear on every HF causal LM
+    bias: torch.Tensor | None = getattr(head, "bias", None)
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return head
+    bias32 = None if bias is None else bias.float()
+    if weight.is_cuda and _has_float_output_mm(weight):
+
+        def project(hidden: torch.Tensor) -> torch.Tensor:
+            out = torch.mm(hidden.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+            return out if bias32 is None else out + bias32
+
+        return project
+    # Elsewhere the weights are upcast once per scoring call (exactly: bf16 and fp16 fit in fp32).
+    weight32 = weight.float()
+    return lambda hidden: torch.nn.functional.linear(hidden.float(), weight32, bias32)
+
+
+def _has_float_output_mm(weight: torch.Tensor) -> bool:
+    try:
+        torch.mm(weight[:1], weight[:1].t(), out_dtype=torch.float32)
+    except (RuntimeError, TypeError):  # builds without the half-in, float-out matmul
+        return False
+    return True
+
+
 def token_logprobs(
-    head: torch.nn.Module,
+    head: Callable[[torch.Tensor], torch.Tensor],
     hidden: torch.Tensor,
     targets: torch.Tensor,
     want_entropy: torch.Tensor,
@@ -109,7 +151,7 @@ def token_logprobs(
     """Log-probability of each target token, and the entropy where asked, chunk by chunk.
 
     Args:
-        head: the model's output embedding (hidden -> vocabulary logits).
+        head: hidden -> vocabulary logits (``vocabulary_projection`` of the output embedding).
         hidden: [M, H] hidden states at scored positions.
         targets: [M] token ids to score.
         want_entropy: [M] bool, where to compute the entropy of the full distribution.
@@ -144,17 +186,21 @@ class _Run:
         config: ScoringConfig,
         reasonings: Sequence[Tokens],
         prompt_of_row: np.ndarray,
-        n_prompts: int,
+        tree: PrefixTree,
         check: Callable[[], None] | None,
     ) -> None:
         self.base = scorer.model.base_model
-        self.head = scorer.model.get_output_embeddings()
+        self.head = vocabulary_projection(scorer.model.get_output_embeddings())
         self.device = scorer.device
         self.config = config
         self.reasonings = reasonings
         self.prompt_of_row = prompt_of_row
         self.check = check
-        self.L = np.zeros((len(reasonings), n_prompts), dtype=np.float64)  # [R, U]
+        self.tree = tree
+        self.packed = config.attention == "packed" or (config.attention == "auto" and self.device.type == "cuda")
+        self.computed: dict[int, Segment] = {}  # tree node -> its keys and values, seen by every row below it
+        self.joined: dict[tuple[int, ...], Segment] = {}  # nodes -> their keys and values, concatenated
+        self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
         self.tokens_processed = 0
 
@@ -164,6 +210,7 @@ class _Run:
         """Runs right-padded ``sequences`` with ``plan``; returns hidden [B, Q, H] and the valid mask [B, Q]."""
         plan.check = self.check
         ids, mask = _pad(sequences, self.device)
+        plan.packed = self.packed
         positions = torch.tensor(start_positions, device=self.device)[:, None] + torch.arange(
             ids.shape[1], device=self.device
         )
@@ -173,35 +220,72 @@ class _Run:
         self.tokens_processed += int(mask.sum())
         return out.last_hidden_state, mask.bool()
 
-    def encode_prefix(self, prefix: Tokens) -> Segment | None:
-        """Keys and values of the shared prefix, seen by every later sequence."""
-        if not prefix:
-            return None
-        plan = CascadePlan(segments=[], record=True)
-        self.forward([prefix], [0], plan)
-        layers = range(len(plan.recorded))
-        return Segment(keys=[plan.recorded[i][0][0] for i in layers], values=[plan.recorded[i][1][0] for i in layers])
+    def segments(self, paths: Sequence[Sequence[int]]) -> list[Segment]:
+        """The computed nodes on the batch rows' ``paths``, as segments listing the rows that see them.
 
-    def score_block(
-        self, prompt_ids: list[int], prompts: list[Tokens], prefix_len: int, prefix: Segment | None
-    ) -> None:
-        """Encodes a block of distinct prompts once, then scores every row under each of them."""
-        plan = CascadePlan(segments=[prefix] if prefix else [], record=True)
-        suffixes = [p[prefix_len:] for p in prompts]
-        hidden, _ = self.forward(suffixes, [prefix_len] * len(prompts), plan)
-        last = torch.tensor([len(s) - 1 for s in suffixes], device=self.device)
-        self._score_first_tokens(hidden[torch.arange(len(prompts), device=self.device), last], prompt_ids)
-        layers = range(len(plan.recorded))
-        # Each prompt's own keys and values, without the block's padding: [kv_heads, length, D].
-        own = [
-            (
-                [plan.recorded[i][0][b, :, : len(s)] for i in layers],
-                [plan.recorded[i][1][b, :, : len(s)] for i in layers],
+        The nodes every row sees form one segment; each row's remaining nodes are joined into one
+        segment per distinct remainder (a prompt's own branch). Attention then runs one call per
+        group of rows, as many as the batch has prompts, not one per tree node: each call costs
+        as much bookkeeping as a large one (measured on SmolLM2, CPU).
+        """
+        every = set(paths[0]).intersection(*map(set, paths[1:]))
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for b, path in enumerate(paths):
+            rows_of.setdefault(tuple(n for n in path if n not in every), []).append(b)
+        segments = []
+        if every:
+            shared = self._joined(tuple(n for n in paths[0] if n in every))
+            segments.append(Segment(shared.keys, shared.values))
+        for nodes, rows in rows_of.items():
+            if nodes:
+                joined = self._joined(nodes)
+                segments.append(Segment(joined.keys, joined.values, _rows(rows, len(paths), self.device)))
+        return segments
+
+    def _joined(self, nodes: tuple[int, ...]) -> Segment:
+        if len(nodes) == 1:
+            return self.computed[nodes[0]]
+        if nodes not in self.joined:
+            parts = [self.computed[n] for n in nodes]
+            layers = range(len(parts[0].keys))
+            self.joined[nodes] = Segment(
+                keys=[torch.cat([p.keys[i] for p in parts], dim=1) for i in layers],
+                values=[torch.cat([p.values[i] for p in parts], dim=1) for i in layers],
             )
-            for b, s in enumerate(suffixes)
-        ]
-        for pairs in _pair_batches(prompts, self.reasonings, self.config.max_batch_tokens):
-            self._score_pairs(pairs, prompt_ids, prompts, prefix, own)
+        return self.joined[nodes]
+
+    def encode_nodes(self, prompts: Sequence[int]) -> None:
+        """Runs the not yet computed nodes of the prompts' paths, ancestors first, each exactly once."""
+        todo = sorted({n for u in prompts for n in self.tree.path(u)} - self.computed.keys())
+        by_depth: dict[int, list[int]] = {}
+        for n in todo:
+            by_depth.setdefault(len(self.tree.nodes[n].path), []).append(n)
+        for depth in sorted(by_depth):
+            for group in _node_batches(self.tree, by_depth[depth], self.config.max_batch_tokens):
+                self._encode(group)
+
+    def keep(self, nodes: set[int]) -> None:
+        """Frees the keys and values of every computed node not in ``nodes``."""
+        self.computed = {n: s for n, s in self.computed.items() if n in nodes}
+        self.joined = {key: s for key, s in self.joined.items() if nodes.issuperset(key)}
+
+    def _encode(self, group: list[int]) -> None:
+        nodes = [self.tree.nodes[n] for n in group]
+        plan = CascadePlan(segments=self.segments([node.path for node in nodes]), record=True)
+        hidden, _ = self.forward([node.tokens for node in nodes], [node.start for node in nodes], plan)
+        layers = range(len(plan.recorded))
+        for b, (n, node) in enumerate(zip(group, nodes, strict=True)):
+            # The node's own keys and values without the batch's padding: [kv_heads, length, D].
+            length = len(node.tokens)
+            self.computed[n] = Segment(
+                keys=[plan.recorded[i][0][b, :, :length] for i in layers],
+                values=[plan.recorded[i][1][b, :, :length] for i in layers],
+            )
+        ending = [(b, u) for b, node in enumerate(nodes) for u in node.ends]
+        if ending:
+            rows = torch.tensor([b for b, _ in ending], device=self.device)
+            last = torch.tensor([len(nodes[b].tokens) - 1 for b, _ in ending], device=self.device)
+            self._score_first_tokens(hidden[rows, last], [u for _, u in ending])
 
     def _score_first_tokens(self, last_hidden: torch.Tensor, prompt_ids: list[int]) -> None:
         """log p(z_r[0] | x_u) for every row, from each prompt's last hidden state [n, H].
@@ -222,24 +306,14 @@ class _Run:
                 for r in rows[self.prompt_of_row[rows] == u]:
                     self.entropy[r][0] = entropy[i]
 
-    def _score_pairs(
-        self,
-        pairs: list[tuple[int, int]],
-        prompt_ids: list[int],
-        prompts: list[Tokens],
-        prefix: Segment | None,
-        own: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
-    ) -> None:
-        """Runs z_r[:-1] for each (block prompt index, row) pair after its prompt."""
-        segments = [prefix] if prefix else []
-        for i in sorted({i for i, _ in pairs}):
-            rows = torch.tensor([b for b, (j, _) in enumerate(pairs) if j == i], device=self.device)
-            segments.append(Segment(keys=own[i][0], values=own[i][1], rows=rows))
+    def score_pairs(self, pairs: list[tuple[int, int]], prompts: Sequence[Tokens]) -> None:
+        """Runs z_r[:-1] for each (prompt, row) pair after its prompt's nodes."""
+        plan = CascadePlan(self.segments([self.tree.path(u) for u, _ in pairs]))
         hidden, valid = self.forward(
-            [self.reasonings[r][:-1] for _, r in pairs], [len(prompts[i]) for i, _ in pairs], CascadePlan(segments)
+            [self.reasonings[r][:-1] for _, r in pairs], [len(prompts[u]) for u, _ in pairs], plan
         )
         targets, _ = _pad([self.reasonings[r][1:] for _, r in pairs], self.device)
-        matched = torch.tensor([self.prompt_of_row[r] == prompt_ids[i] for i, r in pairs], device=self.device)
+        matched = torch.tensor([self.prompt_of_row[r] == u for u, r in pairs], device=self.device)
         logp, entropy = token_logprobs(
             self.head,
             hidden[valid],
@@ -255,10 +329,19 @@ class _Run:
         entropy_rows = torch.full(valid.shape, float("nan"), dtype=torch.float64, device=self.device)
         entropy_rows[valid] = entropy
         entropy_np = entropy_rows.cpu().numpy()
-        for b, (i, r) in enumerate(pairs):
-            self.L[r, prompt_ids[i]] += sums[b]
-            if self.prompt_of_row[r] == prompt_ids[i]:
+        for b, (u, r) in enumerate(pairs):
+            self.L[r, u] += sums[b]
+            if self.prompt_of_row[r] == u:
                 self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[r]) - 1]
+
+
+def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice | None:
+    """Rows ascending, as cheaply as attention can take them: all (None), a range (a view), or a list."""
+    if len(rows) == batch:
+        return None
+    if rows[-1] - rows[0] + 1 == len(rows):  # pairs are batched prompt by prompt: usually a range
+        return slice(rows[0], rows[-1] + 1)
+    return torch.tensor(rows, device=device)
 
 
 def _pad(sequences: Sequence[Tokens], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -279,28 +362,42 @@ def _distinct_prompts(column_prompts: Sequence[Tokens]) -> tuple[list[Tokens], n
     return list(index), of_column
 
 
-def _shared_prefix_length(prompts: Sequence[Tokens]) -> int:
-    """Longest common prefix, leaving each prompt at least its last token for the prompt phase."""
-    limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    n = 0
-    while n < limit and all(p[n] == first[n] for p in prompts):
-        n += 1
-    return n
+def _prompt_blocks(tree: PrefixTree, order: Sequence[int], budget: int) -> Iterator[list[int]]:
+    """Consecutive prompts of ``order`` whose nodes not run before hold at most ``budget`` tokens.
 
-
-def _prompt_blocks(prompts: Sequence[Tokens], budget: int) -> Iterator[list[int]]:
-    """Groups distinct prompts, shortest first, into prompt forwards of at most ``budget`` tokens."""
-    order = sorted(range(len(prompts)), key=lambda u: (len(prompts[u]), u))
+    Bounds the keys and values held at once: a block's new nodes, plus the paths later prompts need.
+    """
+    seen: set[int] = set()
     block: list[int] = []
+    tokens = 0
     for u in order:
-        # Sorted ascending, so the newest member is the longest: the block's padded width.
-        if block and (len(block) + 1) * len(prompts[u]) > budget:
+        fresh = [n for n in tree.path(u) if n not in seen]
+        new = sum(len(tree.nodes[n].tokens) for n in fresh)
+        if block and tokens + new > budget:
             yield block
-            block = []
+            block, tokens = [], 0
         block.append(u)
+        tokens += new
+        seen.update(fresh)
     if block:
         yield block
+
+
+def _node_batches(tree: PrefixTree, nodes: Sequence[int], budget: int) -> Iterator[list[int]]:
+    """Groups nodes, shortest first, into forwards of at most ``budget`` tokens (attended + padded)."""
+    order = sorted(nodes, key=lambda n: (len(tree.nodes[n].tokens), n))
+    batch: list[int] = []
+    attended = 0
+    for n in order:
+        node = tree.nodes[n]
+        # Sorted ascending, so the newest member is the longest: the batch's padded width.
+        if batch and attended + node.start + (len(batch) + 1) * len(node.tokens) > budget:
+            yield batch
+            batch, attended = [], 0
+        batch.append(n)
+        attended += node.start
+    if batch:
+        yield batch
 
 
 def _pair_batches(

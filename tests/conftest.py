@@ -62,6 +62,22 @@ def random_batch(seed: int, n_groups: int = 5, per_group: int = 3, system_len: i
     return ScoringBatch.from_rows([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
+def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: int = 7) -> ScoringBatch:
+    """The trajectory sampler's shape: columns are turns; a trajectory's turns share its history."""
+    rng = np.random.default_rng(seed)
+    system = [int(t) for t in rng.integers(0, VOCAB, 8)]
+    turn_rows = []
+    for _ in range(trajectories):
+        history = list(system)
+        for _ in range(turns):
+            history = history + [int(t) for t in rng.integers(0, VOCAB, rng.integers(1, 6))]
+            reasoning = [int(t) for t in rng.integers(0, VOCAB, rng.integers(0, 7))]
+            turn_rows.append((list(history), reasoning))
+            history = history + reasoning  # the next turn's prompt holds this turn's response
+    chosen = [turn_rows[int(i)] for i in rng.integers(0, len(turn_rows), draws)]  # with replacement
+    return ScoringBatch.from_rows([p for p, _ in chosen], [z for _, z in chosen], list(range(draws)))
+
+
 @pytest.fixture(scope="session")
 def llama64() -> Scorer:
     return tiny_scorer("llama", torch.float64)

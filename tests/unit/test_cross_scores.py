@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from scoring import ScoringBatch, ScoringConfig, ScoringError, score_batch, score_batch_naive
-from tests.conftest import VOCAB, random_batch, tiny_scorer
+from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 
 def assert_scores_close(a, b, atol):
@@ -93,14 +93,11 @@ def test_tokens_processed_is_the_minimum_exact_scoring_needs(llama64):
     batch = random_batch(seed=4)
     scores = score_batch(llama64, batch, ScoringConfig())
     distinct = set(batch.column_prompts)
-    # The shared prefix runs once (each prompt keeps at least its last token), each distinct
-    # prompt's rest once, and every row's z[:-1] once per distinct prompt.
-    shared = 0
-    while shared < min(map(len, distinct)) - 1 and len({p[shared] for p in distinct}) == 1:
-        shared += 1
-    assert shared >= 10  # random_batch's system prompt
+    # Every distinct prompt prefix runs once (the system prompt once for all), and every row's
+    # z[:-1] once per distinct prompt.
+    prefixes = {p[:n] for p in distinct for n in range(1, len(p) + 1)}
     queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
-    assert scores.tokens_processed == shared + sum(len(p) - shared for p in distinct) + queries
+    assert scores.tokens_processed == len(prefixes) + queries
     naive = score_batch_naive(llama64, batch)
     assert naive.tokens_processed == sum(len(p) + len(z) for p in batch.column_prompts for z in batch.reasonings)
 
@@ -145,7 +142,7 @@ class _ForwardLog:
             if segment.rows is None:
                 attended += length
             else:
-                attended[segment.rows.cpu()] += length
+                attended[segment.rows if isinstance(segment.rows, slice) else segment.rows.cpu()] += length
         self.forward_tokens.append(int((attended + ids.shape[1]).sum()))
 
     def _on_head(self, _module, _args, output):
@@ -218,3 +215,73 @@ def test_a_check_is_called_at_every_layer_and_its_exception_abandons_the_batch(f
     with pytest.raises(Abandon):
         score_batch(scorer, batch, config, check=give_up_later)
     assert calls == 0
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("budget", [45, 100_000])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trajectory_shaped_batches_match_the_reference_and_run_each_prefix_once(family, budget, seed):
+    scorer = tiny_scorer(family, torch.float64)
+    batch = trajectory_batch(seed)
+    fast = score_batch(scorer, batch, ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=5))
+    assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=3), 1e-10)
+    distinct = set(batch.column_prompts)
+    prefixes = {p[:n] for p in distinct for n in range(1, len(p) + 1)}
+    queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
+    assert fast.tokens_processed == len(prefixes) + queries
+
+
+@pytest.mark.parametrize("budget", [45, 500])
+def test_trajectory_batches_stay_within_the_token_budget(budget):
+    scorer = tiny_scorer("llama", torch.float64)
+    log = _ForwardLog(scorer)
+    try:
+        score_batch(
+            scorer, trajectory_batch(2, trajectories=4, turns=4, draws=12), ScoringConfig(max_batch_tokens=budget)
+        )
+    finally:
+        log.close()
+    assert max(log.forward_tokens) <= budget
+
+
+def test_bfloat16_kernel_errs_no_more_than_the_naive_bfloat16_forward():
+    """Against float32, per-token RMS and per-sequence p99 errors are within 1.25x the naive bf16 forward's."""
+    fp32 = tiny_scorer("llama", torch.float32, seed=3)
+    bf16 = tiny_scorer("llama", torch.float32, seed=3)
+    bf16.model.to(dtype=torch.bfloat16)
+    batch = random_batch(seed=9, n_groups=6, per_group=4, system_len=24)
+    truth = score_batch_naive(fp32, batch, micro_batch_size=8)
+    kernel = score_batch(bf16, batch, ScoringConfig())
+    naive = score_batch_naive(bf16, batch, micro_batch_size=8)
+    scored = batch.reasoning_lengths > 0
+
+    def errors(scores):
+        token_rms = float(np.sqrt(np.mean((scores.L_tok - truth.L_tok)[scored] ** 2)))
+        sequence_p99 = float(np.percentile(np.abs(scores.L_seq - truth.L_seq)[scored], 99))
+        return token_rms, sequence_p99
+
+    (kernel_rms, kernel_p99), (naive_rms, naive_p99) = errors(kernel), errors(naive)
+    assert naive_rms > 0
+    assert kernel_rms <= 1.25 * naive_rms
+    assert kernel_p99 <= 1.25 * naive_p99
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("shape", ["first-turn", "trajectory", "nested-edge-cases"])
+@pytest.mark.parametrize("budget", [45, 100_000])
+def test_the_packed_flex_attention_path_matches_the_reference(family, shape, budget):
+    """The CUDA path's masks, run eagerly on CPU: which keys each packed token sees, for every shape."""
+    scorer = tiny_scorer(family, torch.float64)
+    if shape == "first-turn":
+        batch = random_batch(seed=11)
+    elif shape == "trajectory":
+        batch = trajectory_batch(3, trajectories=3, turns=3, draws=8)
+    else:
+        batch = ScoringBatch.from_rows(
+            [[3, 4, 5, 6], [3, 4, 5, 6, 8, 9], [3, 4], [9, 1], [7]],
+            [[1, 2, 3], [4], [], [5, 6], [2, 2, 2, 2]],
+            range(5),
+        )
+    config = ScoringConfig(max_batch_tokens=budget, attention="packed")
+    fast = score_batch(scorer, batch, config)
+    assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=4), 1e-10)
