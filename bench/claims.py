@@ -15,21 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
-from sqlalchemy import create_engine, insert, text
+from serving import database
+from sqlalchemy import insert, text
 
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.tables import Batch, Run, utcnow
-
-PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
 def fill(url: str, runs: int, per_run: int) -> str:
@@ -103,23 +100,9 @@ def main() -> None:
     parser.add_argument("--backends", default="sqlite,postgres")
     args = parser.parse_args()
     for backend in args.backends.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            database = f"bench_claims_{uuid.uuid4().hex[:8]}"
-            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-            if backend == "postgres":
-                with admin.connect() as connection:
-                    connection.execute(text(f'CREATE DATABASE "{database}"'))
-                url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
-            else:
-                url = f"sqlite:///{Path(tmp) / 'bench.db'}"
-            try:
-                result = measure(url, args.runs, args.per_run, args.claims)
-                print(json.dumps({"backend": backend, **result}), flush=True)
-            finally:
-                if backend == "postgres":
-                    with admin.connect() as connection:
-                        connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-                admin.dispose()
+        with tempfile.TemporaryDirectory() as tmp, database(backend, tmp) as url:
+            result = measure(url, args.runs, args.per_run, args.claims)
+            print(json.dumps({"backend": backend, **result}), flush=True)
 
 
 if __name__ == "__main__":

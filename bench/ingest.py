@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import threading
 import time
-import uuid
-from pathlib import Path
 
 import httpx
 import numpy as np
-from serving import percentiles, served
-from sqlalchemy import create_engine, text
+from serving import database, percentiles, served
 
-PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 JSON = {"content-type": "application/json"}
 
 
@@ -188,15 +183,7 @@ def main() -> None:
     parser.add_argument("--scoring-under-load", type=int, metavar="N", help="ingesting clients while scoring")
     args = parser.parse_args()
     for backend in args.backends.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            database = f"cm_bench_{uuid.uuid4().hex[:8]}"
-            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-            if backend == "postgres":
-                with admin.connect() as connection:
-                    connection.execute(text(f'CREATE DATABASE "{database}"'))
-                url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
-            else:
-                url = f"sqlite:///{Path(tmp) / 'bench.db'}"
+        with tempfile.TemporaryDirectory() as tmp, database(backend, tmp) as url:
             settings = {
                 "DATABASE_URL": url,
                 "DATA_DIR": tmp,
@@ -206,21 +193,15 @@ def main() -> None:
                 "MAX_QUEUED_PER_RUN": "1000000",
                 "RATE_LIMIT_PER_SECOND": "0",
             }
-            try:
-                with served(settings) as base:
-                    if args.scoring_under_load is not None:
-                        print(json.dumps({"backend": backend, **scoring_throughput(base, args.scoring_under_load)}))
-                    elif args.clients:
-                        for clients in (int(n) for n in args.clients.split(",")):
-                            result = concurrent(base, clients, args.requests, args.rate)
-                            print(json.dumps({"backend": backend, **result}))
-                    else:
-                        print(json.dumps({"backend": backend, **measure(base, args.requests)}))
-            finally:
-                if backend == "postgres":
-                    with admin.connect() as connection:
-                        connection.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-                admin.dispose()
+            with served(settings) as base:
+                if args.scoring_under_load is not None:
+                    print(json.dumps({"backend": backend, **scoring_throughput(base, args.scoring_under_load)}))
+                elif args.clients:
+                    for clients in (int(n) for n in args.clients.split(",")):
+                        result = concurrent(base, clients, args.requests, args.rate)
+                        print(json.dumps({"backend": backend, **result}))
+                else:
+                    print(json.dumps({"backend": backend, **measure(base, args.requests)}))
 
 
 if __name__ == "__main__":

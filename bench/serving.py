@@ -1,4 +1,4 @@
-"""The pieces every benchmark shares: a ``collapse-monitor serve`` process and latency percentiles."""
+"""The pieces every benchmark shares: a throwaway database, a ``collapse-monitor serve`` process, percentiles."""
 
 from __future__ import annotations
 
@@ -7,14 +7,35 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import numpy as np
+from sqlalchemy import create_engine, text
 
 BIN = Path(sys.executable).parent
+PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+@contextmanager
+def database(backend: str, folder: Path | str) -> Iterator[str]:
+    """The URL of an empty database: SQLite under ``folder``, or a Postgres database dropped afterwards."""
+    if backend == "sqlite":
+        yield f"sqlite:///{Path(folder) / 'bench.db'}"
+        return
+    name = f"cm_bench_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
 
 
 def free_port() -> int:

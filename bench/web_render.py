@@ -25,17 +25,16 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from sqlalchemy import create_engine, insert, text
+from sqlalchemy import create_engine, insert
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from serving import served
+from serving import database, served
 
 from service.storage.database import migrate
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, ScoreMatrix, utcnow
 from tests.e2e.browser import chromium_missing, launched
 
-PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 SAMPLER_SERIES = (
     "mi_estimate",
     "mi_estimate_ci_low",
@@ -223,27 +222,12 @@ def main() -> None:
     missing = chromium_missing()
     if missing:
         raise SystemExit(missing)
-    with tempfile.TemporaryDirectory() as tmp:
-        database = None
-        if args.backend == "sqlite":
-            url = f"sqlite:///{tmp}/bench.db"
-        else:
-            database = f"cm_bench_{uuid.uuid4().hex[:8]}"
-            admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-            with admin.connect() as c:
-                c.execute(text(f'CREATE DATABASE "{database}"'))
-            url = PG_ADMIN.rsplit("/", 1)[0] + f"/{database}"
-        try:
-            started = time.perf_counter()
-            seed(url, args.steps, args.runs)
-            seed_seconds = time.perf_counter() - started
-            result = measure(url, tmp, args)
-            result["seed_seconds"] = round(seed_seconds, 1)
-        finally:
-            if database:
-                with admin.connect() as c:
-                    c.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-                admin.dispose()
+    with tempfile.TemporaryDirectory() as tmp, database(args.backend, tmp) as url:
+        started = time.perf_counter()
+        seed(url, args.steps, args.runs)
+        seed_seconds = time.perf_counter() - started
+        result = measure(url, tmp, args)
+        result["seed_seconds"] = round(seed_seconds, 1)
     print(json.dumps(result, indent=2))
 
 
