@@ -392,7 +392,7 @@ def _run_worker(args: argparse.Namespace) -> Any:
     from service.background import start_in_thread
     from service.scorers import ScorerPool
     from service.storage.database import make_engine, make_sessions, migrate
-    from service.worker import Worker
+    from service.worker import Worker, leave_if_loading
 
     settings = service_settings(args)
     if settings.is_sqlite:
@@ -415,6 +415,7 @@ def _run_worker(args: argparse.Namespace) -> Any:
         dispatcher_stop.set()
         dispatcher.join(timeout=30)
     engine.dispose()
+    leave_if_loading()
     return None
 
 

@@ -78,6 +78,22 @@ class Claimed:
     checkpoint_kind: str | None
 
 
+LOADER = "scorer-load"  # the name of a model-loading thread
+
+
+def leave_if_loading() -> None:
+    """Ends the process at once (status 0) when a model load abandoned at shutdown still runs.
+
+    The load is inside torch's C++ code, and finalizing the interpreter under it aborts the
+    process (std::terminate: status -6, seen under load when SIGTERM came during a load). Its
+    result would be thrown away anyway; everything else is already stopped and written.
+    """
+    if any(thread.name == LOADER and thread.is_alive() for thread in threading.enumerate()):
+        log.info("exiting without waiting for an abandoned model load")
+        logging.shutdown()
+        os._exit(0)
+
+
 def checked(work: Callable[[], T], check: Callable[[], None]) -> T:
     """``work()``, run in a daemon thread while ``check`` is called every 0.1 s.
 
@@ -94,7 +110,7 @@ def checked(work: Callable[[], T], check: Callable[[], None]) -> T:
         except BaseException as e:  # handed to the caller's thread below
             error.append(e)
 
-    thread = threading.Thread(target=target, name="scorer-load", daemon=True)
+    thread = threading.Thread(target=target, name=LOADER, daemon=True)
     thread.start()
     while thread.is_alive():
         check()

@@ -115,10 +115,10 @@ def test_an_explicit_idempotency_key_overrides_the_content_key():
     assert json.loads(body)["idempotency_key"] == "mine"
 
 
-def test_text_that_utf8_cannot_hold_is_sent_as_a_json_escape():
-    rows = normalize([{"group_id": 0, "reward": 1, "prompt": "caf\u00e9 \ud800", "response": "r"}])
+def test_a_passed_through_field_that_utf8_cannot_hold_is_sent_as_a_json_escape():
+    rows = normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r", "note": "caf\u00e9 \ud800"}])
     _, body = encode("run", 1, rows)
-    assert json.loads(body)["trajectories"][0]["turns"][0]["prompt"] == "caf\u00e9 \ud800"
+    assert json.loads(body)["trajectories"][0]["note"] == "caf\u00e9 \ud800"
 
 
 def groups(n_groups: int, per_group: int) -> list[int]:

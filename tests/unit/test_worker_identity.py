@@ -67,3 +67,26 @@ def test_a_configured_name_is_used_as_is_and_each_process_leases_under_its_own_o
 def test_a_worker_name_may_not_hold_the_owner_separator():
     with pytest.raises(ValidationError, match="worker_name"):
         Settings(_env_file=None, worker_name="a#b")
+
+
+LOADING = """
+import threading, time
+import torch
+from service.worker import LOADER, leave_if_loading
+started = threading.Event()
+def load():
+    a = torch.randn(256, 256)
+    started.set()
+    while True:  # a model load still inside torch when the worker stops
+        a = torch.tanh(a @ a)
+threading.Thread(target=load, name=LOADER, daemon=True).start()
+started.wait()
+leave_if_loading()
+print("not reached")
+"""
+
+
+def test_a_worker_stopping_during_a_model_load_exits_cleanly_without_waiting_for_it():
+    done = subprocess.run([sys.executable, "-c", LOADING], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "not reached" not in done.stdout
