@@ -9,6 +9,7 @@ tests/e2e/test_database_outage_e2e.py (assertions) and bench/outage.py (figures)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -88,10 +89,8 @@ class Drill:
             self._wait(lambda s: s.count("done") >= 2, deadline, "two scored batches")
             # Out while a batch is being scored if the polls catch one (its finishing write then meets
             # the outage); a small batch scores in moments, so on a crowded machine a poll may not.
-            try:
+            with contextlib.suppress(AssertionError):
                 self._wait(lambda s: "scoring" in s, min(deadline, time.monotonic() + 20), "a batch being scored")
-            except AssertionError:
-                pass
             self.down_at = time.monotonic()
             self.database.stop() if self.kind == "stop" else self.database.freeze()
             time.sleep(self.outage_seconds)
