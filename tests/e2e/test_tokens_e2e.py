@@ -113,7 +113,10 @@ def test_prometheus_scrapes_metrics_that_need_a_token_with_a_read_token_from_a_f
     up: dict[str, float] = {}
 
     def scraped_both() -> bool:
-        result = httpx.get(query, params={"query": "up"}).json()["data"]["result"]
+        answer = httpx.get(query, params={"query": "up"})
+        if answer.status_code != 200:  # Prometheus answers 503 until its storage is ready
+            return False
+        result = answer.json()["data"]["result"]
         up.update({r["metric"]["job"]: float(r["value"][1]) for r in result})
         return len(up) == 2
 
