@@ -1,37 +1,22 @@
 """TRL end to end: a real GRPOTrainer trains a tiny Llama on CPU and feeds a real service.
 
-The policy is the service's own tiny-random Llama (a config and a BPE tokenizer trained on the fly)
-with a chat template, so nothing is downloaded. The trainer records what it generated from
-(``_generate``'s prompt and completion ids) so the test can check what the service received.
+The trainer records what it generated from (``_generate``'s prompt and completion ids) so the test
+can check what the service received (tiny_trainer.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import math
 
 import datasets
 import pytest
-import torch
+from tiny_trainer import FIRE_AT_ONCE, RecordingGRPOTrainer, paced, stop_async_loop, tiny_policy
 from trl import GRPOConfig, GRPOTrainer
-from trl_two_processes import FIRE_AT_ONCE, paced
 
 from collapse_monitor import Monitor
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 NUM_GENERATIONS = 4
-
-
-def tiny_policy():
-    from scoring.models import build_tiny_random
-
-    model, tokenizer = build_tiny_random(seed=1)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return model, tokenizer
 
 
 def length_reward(completions, completion_ids, **_kwargs):
@@ -53,27 +38,6 @@ def expected_reward(text: str, ids: list[int]) -> float | None:
     parity = None if len(ids) % 3 == 0 else float(len(ids) % 2)
     parts = [w * r for w, r in zip(WEIGHTS, [length, parity]) if r is not None]
     return sum(parts) if parts else None
-
-
-class RecordingGRPOTrainer(GRPOTrainer):  # type: ignore[misc]  # trl is untyped here
-    """Keeps the prompt and completion ids of every generation (what the policy really saw)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.generated: list[tuple[list, list]] = []
-
-    def _generate(self, prompts):
-        out = super()._generate(prompts)
-        self.generated.append(([list(p) for p in out[0]], [list(c) for c in out[1]]))
-        return out
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # TRL 1.16's GRPOConfig still sets the name transformers 5.24 deprecated; nothing for us to change.
@@ -147,15 +111,6 @@ def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoi
     assert (stats.sent, stats.rejected, stats.checkpoints_sent) == (3, 0, 2)
     monitor.close()
     stop_async_loop(trainer)
-
-
-def stop_async_loop(trainer) -> None:
-    """TRL runs async reward functions on an event loop it stops at exit but never closes."""
-    from trl.trainer.utils import shutdown_event_loop_in_daemon
-
-    shutdown_event_loop_in_daemon(trainer.async_loop_thread, trainer.async_loop)
-    trainer.async_loop.close()
-    atexit.unregister(shutdown_event_loop_in_daemon)
 
 
 def test_with_two_processes_the_main_process_sends_each_step_once_and_every_rank_stops_on_its_alert(

@@ -2,7 +2,7 @@
 
 Reads OUT, URL and RUN from the environment; writes how many batches this rank's monitor sent and
 the step it stopped at. The run's TemplateCollapse is pending at step 1 and fires at step 2 (the
-settings of test_trl.FIRE_AT_ONCE); only the main process watches the alerts, and both ranks must
+settings of tiny_trainer.FIRE_AT_ONCE); only the main process watches the alerts, and both ranks must
 save at step 2 and stop at step 3 together (a rank left behind would hang in the next collective).
 """
 
@@ -10,52 +10,17 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
 
 import datasets
-from scoring.models import build_tiny_random
+from tiny_trainer import FIRE_AT_ONCE, paced, tiny_policy
 from trl import GRPOConfig, GRPOTrainer
 
 from collapse_monitor import Monitor
 from collapse_monitor.integrations.trl import attach
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-FIRE_AT_ONCE = {"threshold": 1e6, "baseline_steps": 1, "window": 2, "entropy_band": 0.99, "entropy_band_above": 100}
-
-
-def n_finished(monitor: Monitor) -> int:
-    batches = monitor.run_info().get("batches", {})
-    return int(batches.get("done", 0)) + int(batches.get("failed", 0))
-
-
-def paced(monitor: Monitor, trainer_box: list) -> Callable[..., list[float]]:
-    """The main rank's reward waits until the previous step is scored and the watcher has looked twice
-    since (a real step is slower than its scoring); the other rank waits for it in the collectives."""
-
-    def reward(completions, **_kwargs):
-        trainer = trainer_box[0]
-        done = trainer.state.global_step
-        if done and trainer.accelerator.is_main_process:
-            deadline = time.monotonic() + 60
-            while n_finished(monitor) < done and time.monotonic() < deadline:
-                time.sleep(0.05)
-            polls = monitor.stats().alert_polls
-            while monitor.stats().alert_polls < polls + 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
-        return [float(len(c[0]["content"])) for c in completions]
-
-    return reward
-
 
 def main() -> None:
-    model, tokenizer = build_tiny_random(seed=1)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    model, tokenizer = tiny_policy()
     # per process: 2 rows per micro-step, 2 micro-steps per generation -> 8 rows, 2 groups of 4, per step
     args = GRPOConfig(
         output_dir=os.environ["OUT"],

@@ -52,6 +52,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from collapse_monitor.alerts import AlertActions
+from collapse_monitor.conversations import assistant_turns, is_conversation
 from collapse_monitor.monitor import Monitor
 
 logger = logging.getLogger("collapse_monitor")
@@ -247,20 +248,17 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         return rows
 
     def _turns(self, prompt: Any, completion: Any, completion_ids: Sequence[int] | None) -> list[dict[str, Any]]:
-        if not _is_conversation(prompt):
+        if not is_conversation(prompt):
             if self.token_ids and completion_ids is not None:
                 ids = self.trainer.processing_class(text=prompt)["input_ids"]
                 return [{"prompt_token_ids": list(ids), "reasoning_token_ids": list(completion_ids)}]
             return [{"prompt": str(prompt), "response": str(completion)}]
         messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
-        if self.token_ids and completion_ids is not None and len(assistant) == 1:
+        n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
+        if self.token_ids and completion_ids is not None and n_assistant == 1:
             ids = self._tokenizer()(self._render(prompt), add_special_tokens=False)["input_ids"]
             return [{"prompt_token_ids": list(ids), "reasoning_token_ids": list(completion_ids)}]
-        return [
-            {"prompt": self._render(list(prompt) + messages[:k]), "response": _text(messages[k].get("content"))}
-            for k in assistant
-        ]
+        return assistant_turns(prompt, messages, self._render)
 
     def _render(self, conversation: list[Any]) -> str:
         """The conversation as the trainer tokenized it for generation (text, generation prompt appended)."""
@@ -300,16 +298,6 @@ def trajectories(rows: list[dict[str, Any]], num_generations: int) -> list[dict[
         }
         for i, row in enumerate(rows)
     ]
-
-
-def _is_conversation(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return "" if content is None else str(content)
 
 
 def _is_async(func: Any) -> bool:
