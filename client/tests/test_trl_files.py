@@ -2,8 +2,9 @@
 
 Each test starts ``collapse-monitor-client follow OUTPUT_DIR`` before the trainer has made the
 folder, stops it mid-run, and starts it again once training is over: every generation must reach
-the service exactly once, with its groups (identical prompts) and rewards (the reward functions'
-weighted sum), also across the restart.
+the service exactly once, with its groups (identical prompts), prompts (plain text as it is, a
+conversation as plain lines; with ``--chat-template-from`` the exact text the trainer generated
+from) and rewards (the reward functions' weighted sum), also across the restart.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from transformers import TrainerCallback
 from trl import GRPOConfig
 
 from collapse_monitor.cli import main
+from collapse_monitor.conversations import render_plain
 from collapse_monitor.follow import default_state_path
 
 CLI = Path(sys.executable).parent / "collapse-monitor-client"
@@ -126,7 +128,7 @@ class Follower:
         return list(json.loads(done.stdout)["steps"])
 
 
-def check_batch(batch: dict, prompt_ids: list, completion_ids: list, tokenizer, is_conversation: bool) -> None:
+def check_batch(batch: dict, prompt_ids: list, completion_ids: list, tokenizer, prompts: list) -> None:
     """One stored batch against what the trainer generated: prompts, responses, groups, rewards."""
     sent = batch["trajectories"]
     assert len(sent) == len(prompt_ids)
@@ -134,8 +136,9 @@ def check_batch(batch: dict, prompt_ids: list, completion_ids: list, tokenizer, 
     assert groups == [i // NUM_GENERATIONS for i in range(len(sent))]  # TRL repeats each prompt in a row
     for t, p_ids, c_ids in zip(sent, prompt_ids, completion_ids):
         [turn] = t["turns"]
-        if is_conversation:  # rendered with the policy's chat template: exactly what the trainer generated from
-            assert tokenizer(turn["prompt"], add_special_tokens=False)["input_ids"] == p_ids
+        generated_from = tokenizer.decode(p_ids)
+        [prompt] = [p for p in prompts if (p if isinstance(p, str) else p[0]["content"]) in generated_from]
+        assert turn["prompt"] == (prompt if isinstance(prompt, str) else render_plain(prompt))
         text = tokenizer.decode(c_ids, skip_special_tokens=True)
         assert turn["response"] == text
         expected = expected_reward(text)
@@ -148,10 +151,8 @@ def check_batch(batch: dict, prompt_ids: list, completion_ids: list, tokenizer, 
 @pytest.mark.usefixtures("one_thread")
 def test_follow_stores_every_step_of_a_conversational_run_started_before_it_and_restarted(service, run_name, tmp_path):
     _, tokenizer = tiny_policy()
-    model_dir = tmp_path / "policy"
-    tokenizer.save_pretrained(model_dir)  # its chat template: --chat-template-from
     output_dir = tmp_path / "out"  # made by the trainer, after follow starts
-    follower = Follower(service, run_name, output_dir, tmp_path / "spool", "--chat-template-from", str(model_dir))
+    follower = Follower(service, run_name, output_dir, tmp_path / "spool")
     follower.start()
     first: list[int] = []
 
@@ -168,7 +169,7 @@ def test_follow_stores_every_step_of_a_conversational_run_started_before_it_and_
     batches = service.payloads(run_name)
     assert [b["step"] for b in batches] == [1, 2, 3, 4]
     for batch, (prompt_ids, completion_ids) in zip(batches, trainer.generated):
-        check_batch(batch, prompt_ids, completion_ids, tokenizer, is_conversation=True)
+        check_batch(batch, prompt_ids, completion_ids, tokenizer, prompts)
     rewards = [t["reward"] for b in batches for t in b["trajectories"]]
     assert None in rewards  # both functions returned None: sent as a missing reward
     files = sorted((output_dir / "completions").glob("*.parquet"))
@@ -176,11 +177,19 @@ def test_follow_stores_every_step_of_a_conversational_run_started_before_it_and_
     state = json.loads(default_state_path(output_dir, run_name).read_text())
     assert sorted(state["files"]) == [f"completions/{f.name}" for f in files]
 
-    # a file read by `send`: the same batch, so a replay; bad weights are named
-    code = main(["send", str(files[0]), "--url", service.url, "--run", run_name, "--reward-weights", "1,0.5",
+    # a file read by `send`, rendered with the policy's chat template: the text tokenizes to exactly
+    # the ids the trainer generated from
+    model_dir = tmp_path / "policy"
+    tokenizer.save_pretrained(model_dir)
+    templated = f"{run_name}-template"
+    code = main(["send", str(files[0]), "--url", service.url, "--run", templated, "--reward-weights", "1,0.5",
                  "--chat-template-from", str(model_dir), "--spool-dir", str(tmp_path / "spool")])  # fmt: skip
     assert code == 0
-    assert len(service.batches(run_name)) == 4
+    [batch] = service.payloads(templated)
+    assert batch["step"] == 1
+    for t, p_ids in zip(batch["trajectories"], trainer.generated[0][0]):
+        assert tokenizer(t["turns"][0]["prompt"], add_special_tokens=False)["input_ids"] == p_ids
+    assert [t["reward"] for t in batch["trajectories"]] == [t["reward"] for t in batches[0]["trajectories"]]
     assert main(["send", str(files[0]), "--run", run_name, "--reward-weights", "1"]) == 2
     without_pyarrow = subprocess.run(
         [sys.executable, "-c", "import sys; sys.modules['pyarrow'] = None; from collapse_monitor.cli import main; "
@@ -216,8 +225,7 @@ def test_follow_stores_each_generation_of_a_plain_text_run_once_also_when_files_
     assert [b["step"] for b in batches] == [1, 3]
     assert len(trainer.generated) == 2
     for batch, (prompt_ids, completion_ids) in zip(batches, trainer.generated):
-        check_batch(batch, prompt_ids, completion_ids, tokenizer, is_conversation=False)
-        assert {t["turns"][0]["prompt"] for t in batch["trajectories"]} <= set(prompts)  # plain prompts as they are
+        check_batch(batch, prompt_ids, completion_ids, tokenizer, prompts)  # plain prompts as they are
     state = json.loads(state_path.read_text())["files"]
     assert state["completions/completions_00002.parquet"]["same_as"] == "completions/completions_00001.parquet"
     assert state["completions/completions_00004.parquet"]["same_as"] == "completions/completions_00003.parquet"
