@@ -174,7 +174,13 @@ class AlertWatcher:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                ok = self.poll()
+                try:
+                    ok = self.poll()
+                except Exception:  # a bug here must not end the watching silently
+                    logger.exception("collapse-monitor: the alert watcher of run %r failed; retrying", self.run)
+                    self._count("alert_poll_errors")
+                    self._failures += 1
+                    ok = False
                 if ok:
                     delay = self.interval
                 else:
