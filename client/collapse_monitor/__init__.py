@@ -10,9 +10,19 @@ Integrations: ``collapse_monitor.integrations.trl`` (GRPOTrainer, RLOOTrainer) a
 ``collapse-monitor-client send|follow``. See docs/client.md.
 """
 
+from collapse_monitor.alerts import AlertActions, AlertEvent
 from collapse_monitor.batches import TrajectoryError
 from collapse_monitor.monitor import Monitor, MonitorError, default_spool_dir
 from collapse_monitor.sender import Stats
 from collapse_monitor.version import __version__
 
-__all__ = ["Monitor", "MonitorError", "Stats", "TrajectoryError", "__version__", "default_spool_dir"]
+__all__ = [
+    "AlertActions",
+    "AlertEvent",
+    "Monitor",
+    "MonitorError",
+    "Stats",
+    "TrajectoryError",
+    "__version__",
+    "default_spool_dir",
+]

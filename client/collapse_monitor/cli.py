@@ -1,9 +1,11 @@
 """The ``collapse-monitor-client`` command line: send dumped rollouts, or follow a dump folder.
 
-    collapse-monitor-client send FILE.jsonl --run NAME [--url URL] [--step N]
-        send the batches of a JSONL file (batches, trajectories with a step, or verl rows)
+    collapse-monitor-client send FILE --run NAME [--url URL] [--step N]
+        send the batches of a JSONL file (batches, trajectories with a step, or verl rows) or of a
+        TRL completion file (completions_00012.parquet)
     collapse-monitor-client follow DIR --run NAME [--url URL] [--state FILE] [--once]
-        send each new step file of a rollout-dump folder (verl's trainer.rollout_data_dir)
+        send each new step file of a rollout-dump folder (verl's trainer.rollout_data_dir) or of a
+        TRL output_dir (log_completions=True)
 
 ``--url`` defaults to ``$COLLAPSE_MONITOR_URL`` or http://127.0.0.1:8000, ``--token`` to
 ``$COLLAPSE_MONITOR_TOKEN``. Batches that cannot be
@@ -26,6 +28,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
+from collapse_monitor.completion_files import (
+    CompletionFileError,
+    MissingExtraError,
+    Weights,
+    batches_of_file,
+    chat_template_from,
+    parse_weights,
+)
+from collapse_monitor.conversations import Render
 from collapse_monitor.dumps import DumpError, batches_of, read_jsonl
 from collapse_monitor.follow import Follower, default_state_path
 from collapse_monitor.monitor import Monitor
@@ -64,20 +75,28 @@ def _build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_Parser)
 
-    send = commands.add_parser("send", help="send the batches of a JSONL file")
-    send.add_argument("file", type=Path, help="JSONL: batches, trajectories with a step, or verl dump rows")
+    send = commands.add_parser("send", help="send the batches of a JSONL file or a TRL completion file")
+    send.add_argument(
+        "file",
+        type=Path,
+        help="JSONL (batches, trajectories with a step, or verl dump rows) or a TRL completions_*.parquet",
+    )
     send.add_argument("--step", type=int, help="step of lines that carry none (default: a numeric file name)")
     send.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for delivery (default 60)")
     _common(send)
+    _trl_options(send)
     send.set_defaults(command=_run_send)
 
     follow = commands.add_parser("follow", help="send each new step file of a rollout-dump folder")
-    follow.add_argument("folder", type=Path, help="the dump folder (verl: trainer.rollout_data_dir)")
+    follow.add_argument(
+        "folder", type=Path, help="the dump folder (verl: trainer.rollout_data_dir; TRL: output_dir); may appear later"
+    )
     follow.add_argument("--state", type=Path, help="progress file (default: DIR/.collapse-monitor-RUN.state.json)")
     follow.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the folder (default 2)")
     follow.add_argument("--settle", type=float, default=5.0, help="seconds a last file must rest (default 5)")
     follow.add_argument("--once", action="store_true", help="send what is complete now, then exit")
     _common(follow)
+    _trl_options(follow)
     follow.set_defaults(command=_run_follow)
     return parser
 
@@ -99,6 +118,31 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rows", type=int, help="send at most this many trajectories per step")
     parser.add_argument("--spool-dir", type=Path, help="where undelivered batches wait (default: user cache)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+
+
+def _trl_options(parser: argparse.ArgumentParser) -> None:
+    trl = parser.add_argument_group("TRL completion files")
+    trl.add_argument(
+        "--reward-weights",
+        metavar="WEIGHTS",
+        help="the trainer's reward_weights: one per reward column in order (1,0.5) or by name "
+        "(accuracy=1,format=0.5, which also picks the columns); default: the plain sum",
+    )
+    trl.add_argument(
+        "--chat-template-from",
+        metavar="MODEL_DIR",
+        help="render conversational prompts with this model's chat template (needs transformers); "
+        "default: plain 'role: text' lines",
+    )
+
+
+def _trl_reading(args: argparse.Namespace) -> tuple[Weights, Render | None]:
+    try:
+        weights = parse_weights(args.reward_weights) if args.reward_weights else None
+        render = chat_template_from(args.chat_template_from) if args.chat_template_from else None
+    except (ValueError, OSError, MissingExtraError) as e:
+        raise UsageError(str(e)) from e
+    return weights, render
 
 
 def _monitor(args: argparse.Namespace) -> Monitor:
@@ -131,10 +175,13 @@ def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     if step is None and args.file.stem.isdigit():
         step = int(args.file.stem)
     try:
-        batches = batches_of(read_jsonl(args.file), str(args.file), step=step)
+        if args.file.suffix == ".parquet":
+            batches = batches_of_file(args.file, *_trl_reading(args))
+        else:
+            batches = batches_of(read_jsonl(args.file), str(args.file), step=step)
     except OSError as e:
         raise UsageError(f"cannot read {args.file}: {e}") from e
-    except DumpError as e:
+    except (DumpError, CompletionFileError, MissingExtraError) as e:
         raise UsageError(str(e)) from e
     if not batches:
         raise UsageError(f"{args.file}: no batch in it")
@@ -147,11 +194,23 @@ def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    if not args.folder.is_dir():
+    if args.folder.exists() and not args.folder.is_dir():
         raise UsageError(f"{args.folder} is not a folder")
+    if not args.folder.exists():
+        logging.getLogger("collapse_monitor").warning(
+            "collapse-monitor: %s does not exist yet; waiting for the trainer to create it", args.folder
+        )
+    weights, render = _trl_reading(args)
     monitor = _monitor(args)
     try:
-        follower = Follower(args.folder, monitor, args.state or default_state_path(args.folder, args.run), args.settle)
+        follower = Follower(
+            args.folder,
+            monitor,
+            args.state or default_state_path(args.folder, args.run),
+            args.settle,
+            reward_weights=weights,
+            render=render,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from e
     stop = threading.Event()
@@ -161,7 +220,11 @@ def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    sent = follower.follow(args.poll, once=args.once, stop=stop)
+    try:
+        sent = follower.follow(args.poll, once=args.once, stop=stop)
+    except MissingExtraError as e:
+        monitor.close(timeout=30.0)
+        raise UsageError(str(e)) from e
     delivered = monitor.close(timeout=30.0)
     stats = monitor.stats()
     code = 0 if delivered and not (stats.rejected or stats.invalid or stats.dropped) else EXIT_NOT_DELIVERED

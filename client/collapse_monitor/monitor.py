@@ -18,12 +18,13 @@ import operator
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from collapse_monitor.alerts import STATES, AlertEvent, AlertWatcher, check_filters
 from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices
 from collapse_monitor.sender import Request, Sender, Stats
 from collapse_monitor.spool import Spool
@@ -162,6 +163,7 @@ class Monitor:
         self._closed = False
         self._pid = os.getpid()
         self._warned: set[str] = set()
+        self._watchers: list[AlertWatcher] = []
         self._exit_hook = functools.partial(_close_at_exit, self)
         if strict and enabled:
             try:
@@ -263,6 +265,8 @@ class Monitor:
                 return True
             self._closed = True
         atexit.unregister(self._exit_hook)
+        for watcher in self._watchers:
+            watcher.stop(grace_seconds=0.5)
         delivered = True
         if self._started:
             delivered = self._sender.flush(timeout, give_up_when_unreachable=at_exit)
@@ -278,6 +282,55 @@ class Monitor:
     def stats(self) -> Stats:
         """Counts of what was logged, sent, replayed, refused, spooled and dropped (see ``Stats``)."""
         return self._sender.stats()
+
+    # Acting on alerts -----------------------------------------------------------------------
+
+    def on_alert(
+        self,
+        callback: Callable[[AlertEvent], object],
+        *,
+        rules: Iterable[str] | None = None,
+        states: Iterable[str] = ("pending", "firing"),
+        interval: float = 10.0,
+        existing: bool = False,
+    ) -> AlertWatcher | None:
+        """Calls ``callback(event)`` from a background thread once per new state change of the run's alerts.
+
+        The run's alerts are polled every ``interval`` seconds (``GET /v1/runs/{run}/alerts``, with
+        backoff while the service is unreachable); each state change of a rule in ``rules`` (None:
+        every rule) into one of ``states`` is delivered once, as an ``AlertEvent``, also across
+        outages. Alerts already there at the first poll, before this monitor delivered a batch,
+        are not delivered unless ``existing``. Never blocks ``log()``; a callback that raises is
+        logged and counted (``stats().alert_callback_errors``). Stopped by ``close()`` (or the
+        returned watcher's ``stop()``). Returns None, starting nothing, on a disabled monitor.
+        See ``collapse_monitor.alerts``.
+        """
+        wanted_rules, wanted_states = check_filters(rules, states)
+        if not wanted_states:
+            raise ValueError(f"states must name at least one of {', '.join(STATES)}")
+        if not interval > 0:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval}")
+        if not self._is_active("on_alert"):
+            return None
+        watcher = AlertWatcher(
+            Transport(self.url, self._timeout, self._headers),
+            self.run,
+            callback,
+            rules=wanted_rules,
+            states=wanted_states,
+            interval=interval,
+            existing=existing,
+            count=self._sender.count,
+            has_delivered=lambda: self._sender.stats().sent > 0,
+        )
+        with self._lock:
+            if self._closed:
+                return None
+            self._watchers.append(watcher)
+            if not self._started:
+                atexit.register(self._exit_hook)  # close() stops the watcher; _start() registers it again harmlessly
+        watcher.start()
+        return watcher
 
     # Reading back ---------------------------------------------------------------------------
 

@@ -49,6 +49,10 @@ class Stats:
     rows_sampled_out: int = 0  # trajectories left out by max_groups / max_rows
     server_warnings: int = 0  # warnings the service attached to accepted batches
     read_errors: int = 0  # alerts() / metrics() / run_info() calls that failed
+    alert_polls: int = 0  # answered polls of the on_alert watchers
+    alert_poll_errors: int = 0  # their failed polls (retried with backoff)
+    alert_events: int = 0  # alert state changes handed to on_alert callbacks
+    alert_callback_errors: int = 0  # of those, callbacks that raised (logged)
     last_step_sent: int | None = None
     last_error: str | None = None
     service_reachable: bool | None = None  # None until the first attempt

@@ -21,5 +21,16 @@ def service(tmp_path_factory) -> Iterator[RunningService]:
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Trainer tests run torch on one thread: the CI machine has two cores and a service beside them."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def run_name(request) -> str:
     return f"{request.node.name[:60].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:6]}"

@@ -1,35 +1,22 @@
 """TRL end to end: a real GRPOTrainer trains a tiny Llama on CPU and feeds a real service.
 
-The policy is the service's own tiny-random Llama (a config and a BPE tokenizer trained on the fly)
-with a chat template, so nothing is downloaded. The trainer records what it generated from
-(``_generate``'s prompt and completion ids) so the test can check what the service received.
+The trainer records what it generated from (``_generate``'s prompt and completion ids) so the test
+can check what the service received (tiny_trainer.py).
 """
 
 from __future__ import annotations
 
-import atexit
+import logging
 import math
 
 import datasets
 import pytest
-import torch
+from tiny_trainer import FIRE_AT_ONCE, RecordingGRPOTrainer, paced, stop_async_loop, tiny_policy
 from trl import GRPOConfig, GRPOTrainer
 
 from collapse_monitor import Monitor
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 NUM_GENERATIONS = 4
-
-
-def tiny_policy():
-    from scoring.models import build_tiny_random
-
-    model, tokenizer = build_tiny_random(seed=1)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return model, tokenizer
 
 
 def length_reward(completions, completion_ids, **_kwargs):
@@ -51,27 +38,6 @@ def expected_reward(text: str, ids: list[int]) -> float | None:
     parity = None if len(ids) % 3 == 0 else float(len(ids) % 2)
     parts = [w * r for w, r in zip(WEIGHTS, [length, parity]) if r is not None]
     return sum(parts) if parts else None
-
-
-class RecordingGRPOTrainer(GRPOTrainer):  # type: ignore[misc]  # trl is untyped here
-    """Keeps the prompt and completion ids of every generation (what the policy really saw)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.generated: list[tuple[list, list]] = []
-
-    def _generate(self, prompts):
-        out = super()._generate(prompts)
-        self.generated.append(([list(p) for p in out[0]], [list(c) for c in out[1]]))
-        return out
-
-
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # TRL 1.16's GRPOConfig still sets the name transformers 5.24 deprecated; nothing for us to change.
@@ -147,17 +113,10 @@ def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoi
     stop_async_loop(trainer)
 
 
-def stop_async_loop(trainer) -> None:
-    """TRL runs async reward functions on an event loop it stops at exit but never closes."""
-    from trl.trainer.utils import shutdown_event_loop_in_daemon
-
-    shutdown_event_loop_in_daemon(trainer.async_loop_thread, trainer.async_loop)
-    trainer.async_loop.close()
-    atexit.unregister(shutdown_event_loop_in_daemon)
-
-
-def test_with_two_processes_the_main_process_sends_each_step_once_with_groups_across_ranks(service, run_name, tmp_path):
-    """torchrun, two CPU processes (gloo): every rank gathers its shard, rank 0 sends."""
+def test_with_two_processes_the_main_process_sends_each_step_once_and_every_rank_stops_on_its_alert(
+    service, run_name, tmp_path
+):
+    """torchrun, two CPU processes (gloo): every rank gathers its shard, rank 0 sends and watches the alerts."""
     import os
     import subprocess
     import sys
@@ -181,12 +140,14 @@ def test_with_two_processes_the_main_process_sends_each_step_once_with_groups_ac
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    # both ranks stop together, at the end of the step that began after the alert fired (step 2)
     assert sorted(line for line in run.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 sent 2",
-        "rank 1 sent 0",
+        "rank 0 sent 3 stopped at 3",
+        "rank 1 sent 0 stopped at 3",
     ]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]  # pending at step 1
     batches = service.payloads(run_name)
-    assert [b["step"] for b in batches] == [1, 2]
+    assert [b["step"] for b in batches] == [1, 2, 3]
     for batch in batches:
         sent = batch["trajectories"]
         assert [t["group_id"] for t in sent] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -195,3 +156,66 @@ def test_with_two_processes_the_main_process_sends_each_step_once_with_groups_ac
         assert len(set(prompts[:4])) == 1
         assert len(set(prompts[4:])) == 1
         assert prompts[0] != prompts[4]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("one_thread")
+def test_an_alert_saves_a_checkpoint_when_pending_and_stops_training_within_one_step_of_firing(
+    service, run_name, tmp_path, caplog
+):
+    """The run's TemplateCollapse is made to hold from the first scored step (FIRE_AT_ONCE: the service's
+    own rule on the figures it scored from this trainer's batches): pending at step 1, firing at 2.
+    A real step takes longer than scoring it; this tiny one does not, so its reward function waits
+    until the service has scored the previous step and the watcher has looked twice since."""
+    from collapse_monitor.integrations.trl import attach
+
+    model, tokenizer = tiny_policy()
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE, strict=True)
+    box: list = []
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=8,
+        max_steps=20,
+        logging_steps=1,
+        save_strategy="no",  # the only checkpoints are the ones the alert asks for
+        report_to="none",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[paced(monitor, box)],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+    box.append(trainer)
+    callback = attach(trainer, monitor, save_on=("pending",), stop_on=("firing",), alert_poll_seconds=0.1)
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
+        trainer.train()
+
+    firing = monitor.alerts(rule="TemplateCollapse", state="firing")
+    assert firing, monitor.alerts()
+    fired_step = min(a["fired_step"] for a in firing)
+    onset_step = min(a["onset_step"] for a in firing)
+    assert (onset_step, fired_step) == (1, 2)
+    # stopped at the end of the first step that began after the alert fired
+    assert trainer.state.global_step == fired_step + 1
+    assert callback.alert_actions is not None
+    assert [
+        (step, d.save, d.stop) for step, d in callback.alert_actions.history if d.events[0].sampler == "first_turn"
+    ] == [
+        (onset_step + 1, True, False),
+        (fired_step + 1, False, True),
+    ]
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [f"checkpoint-{onset_step + 1}"]
+    assert f"firing at step {fired_step}" in caplog.text
+    assert f"stopping training at training step {fired_step + 1}" in caplog.text
+    assert [b["step"] for b in service.payloads(run_name)] == [1, 2, 3]
+    monitor.close()

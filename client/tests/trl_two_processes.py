@@ -1,6 +1,9 @@
-"""Run by test_trl under torchrun (2 processes, gloo, CPU): GRPO for two steps with the integration attached.
+"""Run by test_trl under torchrun (2 processes, gloo, CPU): GRPO with the integration attached, until an alert stops it.
 
-Reads OUT, URL and RUN from the environment; writes how many batches this rank's monitor sent.
+Reads OUT, URL and RUN from the environment; writes how many batches this rank's monitor sent and
+the step it stopped at. The run's TemplateCollapse is pending at step 1 and fires at step 2 (the
+settings of tiny_trainer.FIRE_AT_ONCE); only the main process watches the alerts, and both ranks must
+save at step 2 and stop at step 3 together (a rank left behind would hang in the next collective).
 """
 
 from __future__ import annotations
@@ -9,25 +12,15 @@ import os
 import sys
 
 import datasets
-from scoring.models import build_tiny_random
+from tiny_trainer import FIRE_AT_ONCE, paced, tiny_policy
 from trl import GRPOConfig, GRPOTrainer
 
 from collapse_monitor import Monitor
 from collapse_monitor.integrations.trl import attach
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def reward(completions, **_kwargs):
-    return [float(len(c[0]["content"])) for c in completions]
-
 
 def main() -> None:
-    model, tokenizer = build_tiny_random(seed=1)
-    tokenizer.chat_template = CHAT_TEMPLATE
+    model, tokenizer = tiny_policy()
     # per process: 2 rows per micro-step, 2 micro-steps per generation -> 8 rows, 2 groups of 4, per step
     args = GRPOConfig(
         output_dir=os.environ["OUT"],
@@ -35,26 +28,31 @@ def main() -> None:
         gradient_accumulation_steps=2,
         num_generations=4,
         max_completion_length=6,
-        max_steps=2,
+        max_steps=6,
         report_to="none",
         bf16=False,
         use_cpu=True,
-        save_strategy="no",
+        save_strategy="no",  # the only checkpoint is the one the pending alert asks for
         seed=0,
     )
     prompts = [[{"role": "user", "content": f"Room {i}: which door leads out?"}] for i in range(16)]
+    monitor = Monitor(
+        os.environ["URL"], os.environ["RUN"], spool_dir=os.path.join(os.environ["OUT"], "spool"), alerts=FIRE_AT_ONCE
+    )
+    box: list = []
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[reward],
+        reward_funcs=[paced(monitor, box)],
         args=args,
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
     )
-    monitor = Monitor(os.environ["URL"], os.environ["RUN"], spool_dir=os.path.join(os.environ["OUT"], "spool"))
-    attach(trainer, monitor)
+    box.append(trainer)
+    attach(trainer, monitor, save_on=("pending",), stop_on=("firing",), alert_poll_seconds=0.1)
     trainer.train()
     monitor.close()
-    sys.stdout.write(f"rank {trainer.accelerator.process_index} sent {monitor.stats().sent}\n")
+    rank = trainer.accelerator.process_index
+    sys.stdout.write(f"rank {rank} sent {monitor.stats().sent} stopped at {trainer.state.global_step}\n")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,14 @@ With several processes every rank gathers its shard (``accelerate.utils.gather_o
 same point on every rank) and only the main process sends, one batch per step. Evaluation
 batches are not sent. Saved checkpoints are announced (``Monitor.checkpoint``) when the run scores
 with the policy (``scorer_mode="policy"``), or always with ``announce_checkpoints=True``.
+
+Acting on alerts: with ``save_on=("pending",)`` and/or ``stop_on=("firing",)`` the main process
+watches the run's alerts (``Monitor.on_alert``, every ``alert_poll_seconds``, in the background) and
+at the end of the next optimizer step sets ``control.should_save`` when an alert of ``rules``
+(default TemplateCollapse) entered a ``save_on`` state, and ``control.should_training_stop`` when one
+entered a ``stop_on`` state: the trainer saves ``checkpoint-{step}`` and stops exactly as at its
+planned end. The decision is read from a queue on the training thread (no network call there) and,
+with several processes, broadcast from the main process so that every rank saves and stops together.
 """
 
 from __future__ import annotations
@@ -37,12 +45,14 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback
 
+from collapse_monitor.alerts import AlertActions
+from collapse_monitor.conversations import assistant_turns, is_conversation
 from collapse_monitor.monitor import Monitor
 
 logger = logging.getLogger("collapse_monitor")
@@ -66,15 +76,28 @@ def attach(
     token_ids: bool = False,
     announce_checkpoints: bool | None = None,
     flush_timeout: float = 10.0,
+    save_on: Collection[str] = (),
+    stop_on: Collection[str] = (),
+    rules: Iterable[str] | None = ("TemplateCollapse",),
+    alert_poll_seconds: float = 10.0,
 ) -> CollapseMonitorCallback:
     """Sends ``trainer``'s generation batches to ``monitor``; returns the callback it added.
 
-    Call it after building the trainer and before ``train()``, on every process.
+    Call it after building the trainer and before ``train()``, on every process. ``save_on`` and
+    ``stop_on`` (alert states: pending, firing, resolved) save a checkpoint and stop training when
+    an alert of ``rules`` (None: every rule) enters them; see the module docstring.
     """
     for name in ("reward_funcs", "num_generations", "processing_class", "state", "accelerator"):
         if not hasattr(trainer, name):
             raise TypeError(f"attach() needs a TRL GRPOTrainer or RLOOTrainer; {type(trainer).__name__} has no {name}")
-    callback = CollapseMonitorCallback(trainer, monitor, token_ids, announce_checkpoints, flush_timeout)
+    actions = None
+    if save_on or stop_on:
+        actions = AlertActions(save_on=save_on, stop_on=stop_on, rules=rules)
+        if trainer.accelerator.is_main_process:
+            actions.watcher = monitor.on_alert(
+                actions, rules=actions.rules, states=actions.states, interval=alert_poll_seconds
+            )
+    callback = CollapseMonitorCallback(trainer, monitor, token_ids, announce_checkpoints, flush_timeout, actions)
     trainer.add_callback(callback)
     return callback
 
@@ -89,8 +112,10 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         token_ids: bool = False,
         announce_checkpoints: bool | None = None,
         flush_timeout: float = 10.0,
+        alert_actions: AlertActions | None = None,
     ) -> None:
         self.trainer = trainer
+        self.alert_actions = alert_actions
         self.monitor = monitor
         self.token_ids = token_ids
         self.announce_checkpoints = (
@@ -160,7 +185,12 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
 
     # Sending (every process gathers, the main process sends) ---------------------------------
 
-    def on_step_end(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
+    def on_step_end(self, _args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
+        self._send(state)
+        if self.alert_actions is not None:
+            self._act_on_alerts(state, control)
+
+    def _send(self, state: Any) -> None:
         if not self._generations:
             return
         generations, self._generations = self._generations, []
@@ -172,6 +202,20 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         if not state.is_world_process_zero:
             return
         self.monitor.log(state.global_step, trajectories(rows, self.trainer.num_generations))
+
+    def _act_on_alerts(self, state: Any, control: Any) -> None:
+        """Applies what the alerts asked since the last step; every rank does the same as the main one."""
+        assert self.alert_actions is not None
+        decision = self.alert_actions.take(state.global_step)  # only the main process's queue is fed
+        flags = [decision.save, decision.stop]
+        if self.trainer.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            flags = broadcast_object_list(flags, from_process=0)  # a collective: every rank, every step
+        if flags[0]:
+            control.should_save = True
+        if flags[1]:
+            control.should_training_stop = True
 
     def on_save(self, args: Any, state: Any, _control: Any, **kwargs: Any) -> None:
         if not (self.announce_checkpoints and state.is_world_process_zero):
@@ -204,20 +248,17 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         return rows
 
     def _turns(self, prompt: Any, completion: Any, completion_ids: Sequence[int] | None) -> list[dict[str, Any]]:
-        if not _is_conversation(prompt):
+        if not is_conversation(prompt):
             if self.token_ids and completion_ids is not None:
                 ids = self.trainer.processing_class(text=prompt)["input_ids"]
                 return [{"prompt_token_ids": list(ids), "reasoning_token_ids": list(completion_ids)}]
             return [{"prompt": str(prompt), "response": str(completion)}]
         messages = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
-        assistant = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
-        if self.token_ids and completion_ids is not None and len(assistant) == 1:
+        n_assistant = sum(1 for m in messages if m.get("role") == "assistant")
+        if self.token_ids and completion_ids is not None and n_assistant == 1:
             ids = self._tokenizer()(self._render(prompt), add_special_tokens=False)["input_ids"]
             return [{"prompt_token_ids": list(ids), "reasoning_token_ids": list(completion_ids)}]
-        return [
-            {"prompt": self._render(list(prompt) + messages[:k]), "response": _text(messages[k].get("content"))}
-            for k in assistant
-        ]
+        return assistant_turns(prompt, messages, self._render)
 
     def _render(self, conversation: list[Any]) -> str:
         """The conversation as the trainer tokenized it for generation (text, generation prompt appended)."""
@@ -257,16 +298,6 @@ def trajectories(rows: list[dict[str, Any]], num_generations: int) -> list[dict[
         }
         for i, row in enumerate(rows)
     ]
-
-
-def _is_conversation(prompt: Any) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
-
-
-def _text(content: Any) -> str:
-    if isinstance(content, list):  # content parts: keep the text ones
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return "" if content is None else str(content)
 
 
 def _is_async(func: Any) -> bool:

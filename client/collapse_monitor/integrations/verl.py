@@ -6,6 +6,18 @@ its rewards (after ``batch.batch["token_level_scores"] = reward_tensor``)::
     monitor = Monitor(os.environ["COLLAPSE_MONITOR_URL"], self.config.trainer.experiment_name)  # before the loop
     log_batch(monitor, self.global_steps, batch, self.tokenizer)                                  # in the loop
 
+To stop when an alert fires (verl has no callbacks), two more lines: before the loop
+``alerts = watch_alerts(monitor)``, and right after ``is_last_step = self.global_steps >=
+self.total_training_steps`` at the top of each step::
+
+    is_last_step = is_last_step or alerts.should_stop(self.global_steps)
+
+so the step during which TemplateCollapse was seen firing becomes the last one: verl saves its
+checkpoint (when ``trainer.save_freq > 0``), validates and returns, as at its planned end.
+``watch_alerts(monitor, save_on=("pending",))`` also asks for a checkpoint when the alert becomes
+pending; ``if alerts.should_save(self.global_steps): self._save_checkpoint()`` after the actor
+update takes it.
+
 In RAGEN's ``RayAgentTrainer.fit`` (ragen/trainer/agent_trainer.py) the second line goes right
 after ``batch = self.agent_proxy.rollout(batch, val=False)``, where RAGEN computes its own collapse
 metrics: before its rollout filter, so the service sees (and advises on) every group.
@@ -34,12 +46,29 @@ through ``tolist()``.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import Any
 
+from collapse_monitor.alerts import AlertActions
 from collapse_monitor.monitor import Monitor
 
 REWARD_TENSORS = ("token_level_scores", "rm_scores", "token_level_rewards")
+
+
+def watch_alerts(
+    monitor: Monitor,
+    *,
+    stop_on: Collection[str] = ("firing",),
+    save_on: Collection[str] = (),
+    rules: Iterable[str] | None = ("TemplateCollapse",),
+    interval: float = 10.0,
+) -> AlertActions:
+    """Watches the run's alerts in the background; the loop asks ``should_stop(step)`` / ``should_save(step)``.
+
+    Neither call touches the network: they read what the watcher thread queued (see the module
+    docstring for where they go in ``RayPPOTrainer.fit``).
+    """
+    return AlertActions.watch(monitor, save_on=save_on, stop_on=stop_on, rules=rules, interval=interval)
 
 
 def log_batch(

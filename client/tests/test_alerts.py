@@ -1,0 +1,241 @@
+"""Monitor.on_alert against a real service: every alert state change once, in order, across outages.
+
+The alerts are made by the service's own rules: the test posts cross-scoring matrices to the run
+(``POST /v1/runs/{run}/matrices``, scored at once) whose rows depend on their prompt (healthy) or
+prefer another prompt than their own (input dependence gone, entropy unchanged: template collapse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+from rollouts import trajectories
+from running_service import free_port
+
+from collapse_monitor import AlertEvent, Monitor
+from collapse_monitor.alerts import AlertActions, Decision
+
+# TemplateCollapse from the first scored step on: the baseline is step 1, the condition must hold
+# two steps to fire, one healthy step resolves it.
+ALERTS = {"baseline_steps": 1, "window": 2, "resolve_window": 1}
+N_PROMPTS, PER_PROMPT, LENGTH = 4, 3, 10
+
+
+def matrix(step: int, collapsed: bool) -> dict:
+    """Rows score -2 nats per token under their own prompt; healthy rows 2 nats less under others,
+    collapsed rows 0.1 nats *more* under others (retrieval at zero, H(Z|X) within its band)."""
+    own = [g for g in range(N_PROMPTS) for _ in range(PER_PROMPT)]
+    other = -1.9 if collapsed else -4.0
+    per_token = [[-2.0 if column == g else other for column in range(N_PROMPTS)] for g in own]
+    return {
+        "step": step,
+        "idempotency_key": f"matrix-{step}-{collapsed}",
+        "row_group_ids": own,
+        "reasoning_lengths": [LENGTH] * len(own),
+        "L_seq": [[v * LENGTH for v in row] for row in per_token],
+    }
+
+
+def post_matrices(url: str, run: str, steps: dict[int, bool]) -> None:
+    for step, collapsed in steps.items():
+        response = httpx.post(f"{url}/v1/runs/{run}/matrices", json=matrix(step, collapsed), timeout=30)
+        assert response.status_code == 201, response.text
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def polls_after(monitor: Monitor, n: int = 2) -> None:
+    """Waits until the watchers have answered ``n`` more polls (what they will deliver, they have)."""
+    start = monitor.stats().alert_polls
+    wait_for(lambda: monitor.stats().alert_polls >= start + n, what=f"{n} more polls")
+
+
+def states(events: list[AlertEvent]) -> list[tuple[str, str, str, int]]:
+    return [(e.rule, e.sampler, e.state, e.step) for e in events]
+
+
+def test_each_state_change_reaches_the_callback_once_in_order(service, run_name, tmp_path):
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)  # strict: run made now
+    events: list[AlertEvent] = []
+    watcher = monitor.on_alert(events.append, states=("pending", "firing", "resolved"), interval=0.1)
+    assert watcher is not None
+    polls_after(monitor, 1)
+
+    post_matrices(service.url, run_name, {1: False, 2: True})
+    wait_for(lambda: len(events) == 1, what="the pending event")
+    post_matrices(service.url, run_name, {3: True})
+    wait_for(lambda: len(events) == 2, what="the firing event")
+    post_matrices(service.url, run_name, {4: False})
+    wait_for(lambda: len(events) == 3, what="the resolved event")
+    polls_after(monitor, 3)  # later polls see the same alert: nothing more
+
+    assert states(events) == [
+        ("TemplateCollapse", "matrix", "pending", 2),
+        ("TemplateCollapse", "matrix", "firing", 3),
+        ("TemplateCollapse", "matrix", "resolved", 4),
+    ]
+    [stored] = monitor.alerts()
+    assert {e.alert_id for e in events} == {stored["id"]}
+    assert events[1].onset_step == 2
+    assert events[1].fired_step == 3
+    assert events[1].severity == "critical"
+    assert events[2].summary == stored["summary"]
+    assert monitor.stats().alert_events == 3
+
+    monitor.close()
+    assert not watcher.is_running
+
+
+def test_alerts_already_there_are_a_baseline_unless_existing_and_caught_up_in_order(service, run_name, tmp_path):
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)
+    post_matrices(service.url, run_name, {1: False, 2: True, 3: True})  # pending at 2, firing at 3, before watching
+    fresh: list[AlertEvent] = []
+    caught_up: list[AlertEvent] = []
+    monitor.on_alert(fresh.append, interval=0.1)
+    monitor.on_alert(caught_up.append, interval=0.1, existing=True)
+    polls_after(monitor, 4)
+    assert fresh == []  # a trainer attaching to a run that alerted before is not told again
+    # one poll saw the alert firing: the pending it went through comes first
+    assert states(caught_up) == [
+        ("TemplateCollapse", "matrix", "pending", 2),
+        ("TemplateCollapse", "matrix", "firing", 3),
+    ]
+    monitor.close()
+
+
+def test_a_failing_or_blocking_callback_never_stops_the_watcher_nor_log(service, run_name, tmp_path, caplog):
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, schedule={"every": 1000}, strict=True)
+    release = threading.Event()
+
+    def failing(event: AlertEvent) -> None:
+        raise RuntimeError(f"no handler for {event.state}")
+
+    def blocking(_event: AlertEvent) -> None:
+        release.wait(60)
+
+    events: list[AlertEvent] = []
+    monitor.on_alert(failing, interval=0.1)
+    monitor.on_alert(blocking, interval=0.1)
+    monitor.on_alert(events.append, rules=["TemplateCollapse"], interval=0.1)
+    polls_after(monitor, 3)
+    post_matrices(service.url, run_name, {1: False, 2: True, 3: True})
+    wait_for(lambda: len(events) == 2, what="pending and firing")
+    for step in range(10, 20):  # the blocked callback holds its own thread only
+        monitor.log(step, trajectories(step))
+    assert monitor.flush(30)
+    release.set()
+    wait_for(lambda: monitor.stats().alert_callback_errors == 2, what="both failures counted")
+    assert states(events) == [("TemplateCollapse", "matrix", "pending", 2), ("TemplateCollapse", "matrix", "firing", 3)]
+    assert "the alert callback" in caplog.text
+    assert "no handler for firing" in caplog.text
+    assert monitor.stats().sent == 10
+    monitor.close()
+
+
+def test_alert_actions_turn_events_into_one_save_and_a_stop_on_the_calling_thread(service, run_name, tmp_path):
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)
+    actions = AlertActions.watch(monitor, interval=0.1)  # save on pending, stop on firing, TemplateCollapse
+    polls_after(monitor, 1)
+    assert actions.take(1) == Decision()  # nothing asked yet
+    post_matrices(service.url, run_name, {1: False, 2: True})
+    polls_after(monitor)
+    first = actions.take(2)
+    assert (first.save, first.stop, [e.state for e in first.events]) == (True, False, ["pending"])
+    assert not actions.take(3).save  # a save is asked once
+    post_matrices(service.url, run_name, {3: True})
+    polls_after(monitor)
+    assert not actions.should_save(4)
+    assert actions.should_stop(4)
+    assert actions.should_stop(5)  # stays asked
+    assert [(step, d.save, d.stop) for step, d in actions.history] == [(2, True, False), (4, False, True)]
+    monitor.close()
+
+
+def test_bad_filters_are_refused_and_a_disabled_monitor_watches_nothing(tmp_path):
+    monitor = Monitor("http://127.0.0.1:9", "r", spool_dir=tmp_path)
+    with pytest.raises(ValueError, match="states must be among pending, firing, resolved, got fired"):
+        monitor.on_alert(print, states=("fired",))
+    with pytest.raises(ValueError, match="interval must be a positive number"):
+        monitor.on_alert(print, interval=0)
+    assert Monitor("http://127.0.0.1:9", "r", spool_dir=tmp_path, enabled=False).on_alert(print) is None
+
+
+class Proxy:
+    """A loopback TCP relay to the service that can go down and come back on the same port: an outage
+    as the client sees it (connections refused, open ones cut), without restarting the service."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._sockets: list[socket.socket] = []
+        self._listener: socket.socket | None = None
+
+    def start(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def stop(self) -> None:
+        assert self._listener is not None
+        for s in [self._listener, *self._sockets]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        self._sockets.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stopped
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+def test_an_outage_costs_no_event_and_repeats_none(service, run_name, tmp_path, caplog):
+    proxy = Proxy(service.port)
+    proxy.start()
+    monitor = Monitor(proxy.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True, timeout=2)
+    events: list[AlertEvent] = []
+    monitor.on_alert(events.append, interval=0.1)
+    polls_after(monitor, 1)
+    post_matrices(service.url, run_name, {1: False, 2: True})
+    wait_for(lambda: len(events) == 1, what="the pending event")
+
+    proxy.stop()
+    wait_for(lambda: monitor.stats().alert_poll_errors >= 3, what="failed polls")
+    post_matrices(service.url, run_name, {3: True})  # fires while the client cannot see it
+    proxy.start()
+    wait_for(lambda: len(events) == 2, what="the firing event after the outage")
+    polls_after(monitor, 2)
+    assert states(events) == [("TemplateCollapse", "matrix", "pending", 2), ("TemplateCollapse", "matrix", "firing", 3)]
+    assert "cannot read the alerts" in caplog.text
+    assert "can be read again" in caplog.text
+    monitor.close()
+    proxy.stop()
