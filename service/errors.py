@@ -143,12 +143,17 @@ class DatabaseUnavailable(Unavailable):
     code = "database_unavailable"
 
 
+REQUEST_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
 def field_path(loc: Sequence[object]) -> str:
     """Where in a request a value sits, from pydantic's location.
 
     ``('body', 'trajectories', 3, 'turns', 0, 'reasoning')`` -> ``trajectories[3].turns[0].reasoning``.
+    Only the leading part says where in the request (FastAPI's body, query, path, header, cookie):
+    later parts are field names, and a field may well be called ``path`` (a checkpoint's).
     """
-    parts = [p for p in loc if p not in ("body", "query", "path")]
+    parts = list(loc[1:]) if len(loc) > 1 and loc[0] in REQUEST_LOCATIONS else list(loc)
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
 
 

@@ -59,3 +59,13 @@ def test_policy_runs_score_with_the_announced_checkpoint(database_url, client_fo
     assert policy[1]["value"] == pytest.approx(baseline[1]["value"], abs=1e-9)
     assert policy[6]["value"] != pytest.approx(baseline[6]["value"], abs=1e-3)
     assert reference["checkpoint"] is None
+
+
+def test_a_nul_in_a_checkpoints_path_is_refused_naming_the_path_field(database_url, client_for, tmp_path):
+    client = client_for(database_url, scoring_paused=True, checkpoint_root=tmp_path)
+    client.post("/v1/runs", json={"name": "p", "scorer_mode": "policy"})
+    response = client.post("/v1/runs/p/checkpoints", json={"path": "step-5\u0000", "step": 5})
+    assert response.status_code == 422
+    (error,) = response.json()["detail"]
+    assert (error["loc"], error["field"]) == (["body", "path"], "path")
+    assert error["msg"] == "Value error, must not contain a NUL character (\\u0000)"
