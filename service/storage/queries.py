@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, exists, func, insert, or_, select, true, update
+from sqlalchemy import DateTime, Float, and_, bindparam, case, exists, func, insert, literal, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from scoring.estimators import EmaState
 from service.storage.tables import (
@@ -33,6 +35,35 @@ from service.storage.tables import (
 )
 
 SCORING_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class db_time(FunctionElement[datetime]):
+    """The database's clock plus ``seconds``, as a SQL expression: what every lease is timed by.
+
+    Leases are written by one host and compared by another (each worker, each API process): their
+    clocks may differ by seconds, which would end a lease early or hold a dead worker's batch late.
+    The database's clock is the one every host shares. Postgres: ``now()``, the start of the
+    transaction. SQLite: ``strftime('%f')`` (milliseconds), written as SQLAlchemy writes a
+    datetime there (UTC, six fraction digits), so the stored texts compare in time order.
+    """
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__(literal(float(seconds), Float()))
+
+
+@compiles(db_time, "postgresql")
+def _db_time_postgresql(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return f"(now() + make_interval(secs => CAST({seconds} AS double precision)))"
+
+
+@compiles(db_time, "sqlite")
+def _db_time_sqlite(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return f"(strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', {seconds})) || '000')"
 
 
 @dataclass(frozen=True)
@@ -569,21 +600,65 @@ def deliveries_of(session: Session, alert_ids: Sequence[int]) -> Sequence[AlertD
 
 
 def claim_deliveries(session: Session, owner: str, lease_seconds: float, limit: int) -> Sequence[AlertDelivery]:
-    """Due deliveries (pending, or leased by a dispatcher that died), leased to ``owner``."""
-    now = utcnow()
-    due = or_(
-        and_(AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now),
-        and_(AlertDelivery.status == "delivering", AlertDelivery.next_attempt_at <= now),
+    """Due deliveries (pending, or leased by a dispatcher that died), leased to ``owner`` for ``lease_seconds``.
+
+    The lease is held in ``next_attempt_at`` (due again once it passes), timed by the database's
+    clock. Each delivery is taken by a compare-and-set on its status and due time as read, so
+    two dispatchers (SQLite has no SKIP LOCKED) never both send one, and one that was just
+    recorded as delivered is not taken back.
+    """
+    now = db_time()
+    due = and_(AlertDelivery.status.in_(("pending", "delivering")), AlertDelivery.next_attempt_at <= now)
+    query = (
+        select(AlertDelivery.id, AlertDelivery.status, AlertDelivery.next_attempt_at)
+        .where(due)
+        .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
+        .limit(limit)
     )
-    query = select(AlertDelivery).where(due).order_by(AlertDelivery.next_attempt_at, AlertDelivery.id).limit(limit)
     if session.get_bind().dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True)
-    claimed = session.scalars(query).all()
-    for delivery in claimed:
-        delivery.status, delivery.lease_owner = "delivering", owner
-        delivery.next_attempt_at = now + timedelta(seconds=lease_seconds)
-    session.flush()
+    claimed = []
+    for seen in session.execute(query).all():
+        delivery = session.scalar(
+            update(AlertDelivery)
+            .where(
+                AlertDelivery.id == seen.id,
+                AlertDelivery.status == seen.status,
+                AlertDelivery.next_attempt_at == seen.next_attempt_at,
+                due,
+            )
+            .values(status="delivering", lease_owner=owner, next_attempt_at=db_time(lease_seconds))
+            .returning(AlertDelivery)
+            .execution_options(synchronize_session=False, populate_existing=True)
+        )
+        if delivery is not None:
+            claimed.append(delivery)
     return claimed
+
+
+def record_delivery(
+    session: Session, delivery_id: int, owner: str, *, status: str, error: str | None, retry_seconds: float | None
+) -> bool:
+    """Records one try of a delivery leased to ``owner``: delivered, failed, or pending again in ``retry_seconds``.
+
+    False when the lease is no longer ``owner``'s (it ran out and another dispatcher took the
+    delivery): then nothing is written, and that dispatcher's try counts.
+    """
+    values: dict[str, Any] = {"status": status, "attempts": AlertDelivery.attempts + 1, "lease_owner": None}
+    values["last_error"] = error
+    if status == "delivered":
+        values["delivered_at"] = db_time()
+    if retry_seconds is not None:
+        values["next_attempt_at"] = db_time(retry_seconds)
+    changed = session.execute(
+        update(AlertDelivery)
+        .where(
+            AlertDelivery.id == delivery_id, AlertDelivery.lease_owner == owner, AlertDelivery.status == "delivering"
+        )
+        .values(values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(changed.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
 
 
 def delivery_counts(session: Session) -> list[tuple[str, str, int]]:
