@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import DateTime, Float, and_, bindparam, case, exists, func, insert, literal, or_, select, true, update
@@ -189,9 +189,18 @@ def queue_depth(session: Session, run_id: int | None = None) -> int:
     return int(session.scalar(query) or 0)
 
 
-def _claimable(now: datetime) -> Any:
+def _claimable(now: Any) -> Any:
     # Queued, or claimed by a worker whose lease ran out (it crashed or was killed).
     return or_(Batch.status == "queued", and_(Batch.status == "scoring", Batch.lease_expires_at <= now))
+
+
+def _is(column: Any, value: Any) -> Any:
+    return column.is_(None) if value is None else column == value
+
+
+# A claim that loses this many races in a row (each one: a batch another worker finished, renewed,
+# released or took between the claim's read and its write) returns None; the worker polls again.
+MAX_LOST_CLAIMS = 8
 
 
 def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
@@ -201,12 +210,20 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
     least recently goes first (a run never served before all others, then the oldest waiting
     batch), so a run with 200 queued batches takes turns with a run that posted one. Within a
     run batches are scored one at a time in step order, so the EMA of each (run, sampler)
-    advances in order. On Postgres the run row is locked with SKIP LOCKED, so concurrent workers
-    claim different runs without waiting on each other; a batch whose lease expired is claimed
-    again. A batch interrupted ``max_attempts`` times is marked failed instead of looping forever.
+    advances in order.
+    On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim different
+    runs without waiting on each other; a batch whose lease expired is claimed again. A batch
+    interrupted ``max_attempts`` times is marked failed instead of looping forever.
+
+    The claim is a compare-and-set: its UPDATE changes the batch only if it still is as it was
+    read (status, lease owner, lease expiry, attempts) and still claimable by the database's
+    clock. A worker whose lease ran out while it was slow may commit its ``done`` between the
+    read and the write: the write then changes nothing, and the claim moves on, where writing by
+    primary key alone would have put the finished batch back to ``scoring`` (and scored it twice).
     """
-    while True:
-        now = utcnow()
+    now = db_time()
+    lost = 0
+    while lost < MAX_LOST_CLAIMS:
         claimable = _claimable(now)
         busy = exists().where(Batch.run_id == Run.id, Batch.status == "scoring", Batch.lease_expires_at > now)
         oldest = select(func.min(Batch.created_at)).where(Batch.run_id == Run.id, claimable).scalar_subquery()
@@ -217,28 +234,61 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
             .limit(1)
         )
         if session.get_bind().dialect.name == "postgresql":
-            runs = runs.with_for_update(of=Run, skip_locked=True)
+            # FOR NO KEY UPDATE: it still keeps other claims (and a delete) off the run, but not the
+            # rows that only reference it: a worker finishing one of the run's batches (an expired
+            # lease this claim is looking at) writes its points meanwhile instead of deadlocking.
+            runs = runs.with_for_update(of=Run, skip_locked=True, key_share=True)
         run_id = session.scalar(runs)
         if run_id is None:
             return None
-        batch = session.scalar(
-            select(Batch)
+        seen = session.execute(
+            select(Batch.id, Batch.status, Batch.lease_owner, Batch.lease_expires_at, Batch.attempts)
             .where(Batch.run_id == run_id, claimable)
             .order_by(Batch.segment, Batch.step, Batch.created_at)
             .limit(1)
-        )
-        if batch is None:  # pragma: no cover - the run was selected because it has one
-            return None
-        batch.attempts += 1
-        if batch.attempts > max_attempts:
-            batch.status, batch.finished_at = "failed", now
-            batch.error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
-            batch.lease_owner = batch.lease_expires_at = None
-            session.flush()
+        ).one_or_none()
+        if seen is None:  # finished or deleted since the run was chosen
+            lost += 1
             continue
-        batch.status, batch.lease_owner = "scoring", owner
-        batch.lease_expires_at = now + timedelta(seconds=lease_seconds)
-        batch.started_at = now
+        as_read = and_(
+            Batch.id == seen.id,
+            Batch.status == seen.status,
+            _is(Batch.lease_owner, seen.lease_owner),
+            _is(Batch.lease_expires_at, seen.lease_expires_at),
+            Batch.attempts == seen.attempts,
+            claimable,
+        )
+        if seen.attempts + 1 > max_attempts:
+            session.execute(
+                update(Batch)
+                .where(as_read)
+                .values(
+                    status="failed",
+                    finished_at=now,
+                    attempts=Batch.attempts + 1,
+                    error=f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up",
+                    lease_owner=None,
+                    lease_expires_at=None,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            continue  # failed now, or changed by someone else: either way look again
+        batch = session.scalar(
+            update(Batch)
+            .where(as_read)
+            .values(
+                status="scoring",
+                lease_owner=owner,
+                lease_expires_at=db_time(lease_seconds),
+                started_at=now,
+                attempts=Batch.attempts + 1,
+            )
+            .returning(Batch)
+            .execution_options(synchronize_session=False, populate_existing=True)
+        )
+        if batch is None:  # lost the race: the batch changed between the read and this write
+            lost += 1
+            continue
         session.execute(
             update(Run)
             .where(Run.id == run_id)
@@ -248,9 +298,10 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
                     (Run.segment == batch.segment, _newest(Run.claimed_step, batch.step)), else_=Run.claimed_step
                 ),
             )
+            .execution_options(synchronize_session=False)
         )
-        session.flush()
         return batch
+    return None
 
 
 def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) -> list[str]:
@@ -258,7 +309,9 @@ def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) 
 
     ``count_attempt``: whether the interrupted scoring counts towards ``max_attempts`` (it does
     when the worker crashed, which the batch itself may have caused; not on a shutdown or when
-    the database was away). Returns the ids released.
+    the database was away). Returns the ids released. One UPDATE whose condition is the lease
+    itself (still scoring, still this owner's), so a batch finished or taken over meanwhile is
+    left alone.
     """
     released = list(
         session.scalars(
@@ -271,16 +324,19 @@ def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) 
                 attempts=Batch.attempts if count_attempt else Batch.attempts - 1,
             )
             .returning(Batch.id)
+            .execution_options(synchronize_session=False)
         )
     )
     return released
 
 
 def renew_lease(session: Session, batch_id: str, owner: str, lease_seconds: float) -> bool:
+    """Extends the lease by ``lease_seconds`` from now (the database's clock); False if it is not ``owner``'s."""
     result = session.execute(
         update(Batch)
         .where(Batch.id == batch_id, Batch.lease_owner == owner, Batch.status == "scoring")
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .values(lease_expires_at=db_time(lease_seconds))
+        .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
 
@@ -300,9 +356,15 @@ def finish_batch(
 ) -> bool:
     """Marks a batch done or failed, but only if ``owner`` still holds it (None: not leased).
 
-    False means another worker took the batch over; the caller must roll back.
+    False means another worker took the batch over; the caller must roll back. The lease is the
+    UPDATE's own condition: on Postgres a claim racing this write waits for its row lock and then
+    finds the batch no longer claimable; on SQLite writers take turns.
     """
-    holder = Batch.lease_owner == owner if owner is not None else Batch.lease_owner.is_(None)
+    holder = (
+        and_(Batch.lease_owner == owner, Batch.status == "scoring")
+        if owner is not None
+        else Batch.lease_owner.is_(None)
+    )
     changed = session.execute(
         update(Batch)
         .where(Batch.id == batch_id, holder)
@@ -314,10 +376,11 @@ def finish_batch(
             tokens_scored=tokens_scored,
             scorer=scorer,
             checkpoint=checkpoint,
-            finished_at=utcnow(),
+            finished_at=db_time(),
             lease_owner=None,
             lease_expires_at=None,
         )
+        .execution_options(synchronize_session=False)
     )
     return bool(changed.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
 
