@@ -13,7 +13,8 @@
     │   │   └── RunConflict      409  a run name re-created with different settings
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
-    │       └── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
+    │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
+    │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
         └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
@@ -122,6 +123,10 @@ class TooManyRequests(ClientError):
 
 class RunQueueFull(TooManyRequests):
     code = "run_queue_full"
+
+
+class TokenQueueFull(TooManyRequests):
+    code = "token_queue_full"
 
 
 @dataclass

@@ -189,6 +189,17 @@ def queue_depth(session: Session, run_id: int | None = None) -> int:
     return int(session.scalar(query) or 0)
 
 
+def token_queue_depth(session: Session, token_id: int) -> int:
+    """Batches waiting to be scored in the runs the token ``token_id`` created (at most the whole queue's)."""
+    query = (
+        select(func.count())
+        .select_from(Batch)
+        .join(Run, Run.id == Batch.run_id)
+        .where(Batch.status == "queued", Run.created_by_token == token_id)
+    )
+    return int(session.scalar(query) or 0)
+
+
 def _claimable(now: Any) -> Any:
     # Queued, or claimed by a worker whose lease ran out (it crashed or was killed).
     return or_(Batch.status == "queued", and_(Batch.status == "scoring", Batch.lease_expires_at <= now))
@@ -198,19 +209,25 @@ def _is(column: Any, value: Any) -> Any:
     return column.is_(None) if value is None else column == value
 
 
+# The claiming group of a run: the token that created it; 0 for the runs created without one (ids start at 1).
+_token_group = func.coalesce(Run.created_by_token, 0)
+
 # A claim that loses this many races in a row (each one: a batch another worker finished, renewed,
 # released or took between the claim's read and its write) returns None; the worker polls again.
 MAX_LOST_CLAIMS = 8
 
 
 def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
-    """Claims the next batch to score: round-robin across runs, step order within a run.
+    """Claims the next batch to score: round-robin across tokens, then across their runs, step order within a run.
 
-    Among the runs with a claimable batch and none being scored, the one whose batch was claimed
-    least recently goes first (a run never served before all others, then the oldest waiting
-    batch), so a run with 200 queued batches takes turns with a run that posted one. Within a
-    run batches are scored one at a time in step order, so the EMA of each (run, sampler)
-    advances in order.
+    Runs are grouped by the ingest token that created them (runs created without one form one
+    group). Among the runs with a claimable batch and none being scored, those of the group served
+    least recently go first, and among them the run claimed least recently (a group or run never
+    served before all others, then the oldest waiting batch): a token that queued 200 batches
+    over 10 runs takes turns with a token that posted one batch, and a run with 200 queued
+    batches with a run that posted one. Within a run batches are scored one at a time in step
+    order, so the EMA of each (run, sampler) advances in order. The choice reads each run row
+    once (the groups' last service is one grouped pass over ``runs``), whatever the queue holds.
     On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim different
     runs without waiting on each other; a batch whose lease expired is claimed again. A batch
     interrupted ``max_attempts`` times is marked failed instead of looping forever.
@@ -222,6 +239,10 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
     primary key alone would have put the finished batch back to ``scoring`` (and scored it twice).
     """
     now = db_time()
+    # When each token's group of runs was last served: the newest claim of any of its runs.
+    served = (
+        select(_token_group.label("token"), func.max(Run.last_claimed_at).label("at")).group_by(_token_group).subquery()
+    )
     lost = 0
     while lost < MAX_LOST_CLAIMS:
         claimable = _claimable(now)
@@ -229,8 +250,9 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
         oldest = select(func.min(Batch.created_at)).where(Batch.run_id == Run.id, claimable).scalar_subquery()
         runs = (
             select(Run.id)
+            .join(served, served.c.token == _token_group)
             .where(exists().where(Batch.run_id == Run.id, claimable), ~busy)
-            .order_by(Run.last_claimed_at.asc().nulls_first(), oldest, Run.id)
+            .order_by(served.c.at.asc().nulls_first(), Run.last_claimed_at.asc().nulls_first(), oldest, Run.id)
             .limit(1)
         )
         if session.get_bind().dialect.name == "postgresql":
