@@ -22,7 +22,7 @@ from service.errors import Conflict, InvalidRequest, RunQueueFull, TokenQueueFul
 from service.reasoning import ingest_warnings
 from service.recording import ALL, ScoredBatch, load_emas, record_step
 from service.reward_figures import grouped_reward_figures
-from service.runs import RunSnapshot, is_scheduled, require_run
+from service.runs import RunSnapshot, is_scheduled, require_run, segment_for
 from service.schemas import (
     BatchAccepted,
     BatchIn,
@@ -98,7 +98,7 @@ def ingest_rollouts(
         batch = _new_batch(
             run.id,
             payload.step,
-            queries.advance_segment(session, run.id, payload.step),
+            segment_for(session, run, payload.step),
             payload.idempotency_key,
             "rollouts",
             raw,
@@ -252,7 +252,7 @@ def ingest_matrix(
         batch = _new_batch(
             run.id,
             payload.step,
-            queries.advance_segment(session, run.id, payload.step, scored_now=True),
+            segment_for(session, run, payload.step, matrix_sampler=payload.sampler),
             payload.idempotency_key,
             "matrix",
             raw,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.partition import Extraction
@@ -67,6 +68,18 @@ def require_run(session: Session, name: str) -> Run:
     if run is None:
         raise NotFound(f"run {name!r} does not exist; create it with POST /v1/runs", field="run")
     return run
+
+
+def segment_for(session: Session, run: Run | RunSnapshot, step: int, *, matrix_sampler: str | None = None) -> int:
+    """The segment a batch of ``step`` joins (``queries.advance_segment``), or 404 when the run was just deleted.
+
+    The run was read earlier in the transaction; a concurrent ``DELETE /v1/runs/{run}`` may have
+    committed since (on Postgres this UPDATE waits for its lock and then finds no row).
+    """
+    segment = queries.advance_segment(session, run.id, step, matrix_sampler=matrix_sampler)
+    if segment is None:
+        raise NotFound(f"run {run.name!r} was deleted while this request was being handled", field="run")
+    return segment
 
 
 def run_settings(run: Run) -> RunCreate:
@@ -152,9 +165,15 @@ def _check_run_limit(session: Session, settings: Settings, token: Token | None) 
 
 
 def delete_run(sessions: sessionmaker[Session], name: str) -> dict[str, int]:
-    """Deletes the run called ``name`` and everything it owns (404 if unknown); rows deleted per table."""
+    """Deletes the run called ``name`` and everything it owns (404 if unknown); rows deleted per table.
+
+    Two deletes of one run at once: the second finds no row left to delete, and answers 404 too.
+    """
     with sessions.begin() as session:
-        return retention.delete_run(session, require_run(session, name).id)
+        deleted = retention.delete_run(session, require_run(session, name).id)
+        if not deleted["runs"]:
+            raise NotFound(f"run {name!r} does not exist (it was deleted meanwhile)", field="run")
+        return deleted
 
 
 def _check_same_settings(stored: RunCreate, wanted: RunCreate) -> None:
@@ -172,18 +191,26 @@ def announce_checkpoint(
 ) -> CheckpointResponse:
     """Records a policy checkpoint; later batches of a ``policy``-mode run are scored with it."""
     folder = resolve_checkpoint(settings, body.path, body.kind)
-    with sessions.begin() as session:
-        run = require_run(session, run_name)
-        checkpoint = Checkpoint(run_id=run.id, path=str(folder), kind=body.kind, step=body.step)
-        session.add(checkpoint)
-        session.flush()
-        return CheckpointResponse(
-            path=checkpoint.path,
-            kind=body.kind,
-            step=body.step,
-            id=checkpoint.id,
-            created_at=checkpoint.created_at.isoformat(),
-        )
+    try:
+        with sessions.begin() as session:
+            run = require_run(session, run_name)
+            checkpoint = Checkpoint(run_id=run.id, path=str(folder), kind=body.kind, step=body.step)
+            session.add(checkpoint)
+            session.flush()
+            return CheckpointResponse(
+                path=checkpoint.path,
+                kind=body.kind,
+                step=body.step,
+                id=checkpoint.id,
+                created_at=checkpoint.created_at.isoformat(),
+            )
+    except IntegrityError as e:  # the run's foreign key: a concurrent DELETE /v1/runs/{run} committed first
+        with sessions() as session:
+            if queries.run_by_name(session, run_name) is None:
+                raise NotFound(
+                    f"run {run_name!r} was deleted while the checkpoint was being recorded", field="run"
+                ) from e
+        raise
 
 
 def resolve_checkpoint(settings: Settings, path: str, kind: str) -> Path:

@@ -92,7 +92,7 @@ def batch_counts(session: Session, run_id: int | None = None) -> dict[str, int]:
 
 
 def last_step(session: Session, run_id: int) -> int | None:
-    """The newest step with stored figures in the run's current segment."""
+    """The newest step with stored figures in the run's current segment (a matrix's included)."""
     return session.scalar(
         select(func.max(LatestMetric.step))
         .join(Run, Run.id == LatestMetric.run_id)
@@ -100,27 +100,42 @@ def last_step(session: Session, run_id: int) -> int | None:
     )
 
 
-def advance_segment(session: Session, run_id: int, step: int, *, scored_now: bool = False) -> int:
-    """The segment of a batch of ``step`` arriving now; ``scored_now`` when it is scored at once (a matrix).
+def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> int | None:
+    """The segment of a batch of ``step`` arriving now (None: the run is gone); ``matrix_sampler`` for a matrix.
 
     A step below one already taken for scoring starts a new segment (the trainer resumed from an
     earlier checkpoint, or a script was re-run under the same name); a step that merely arrived
     out of order, before a later one was scored, stays in the segment and is scored in step
-    order. One UPDATE, so concurrent ingests of a run serialize on its row.
+    order. Each stream of steps is compared with itself only: rollouts with the rollouts taken
+    for scoring (``claimed_step``), a matrix (scored at once) with the newest step of its own
+    sampler's figures in the segment. So a matrix under a sampler name of its own, whatever its
+    step, never starts a segment at the rollouts' next batch; a resume of any stream starts one
+    for the whole run. One UPDATE, so concurrent ingests of a run serialize on its row.
     """
-    resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
-    kept = _newest(Run.claimed_step, step) if scored_now else Run.claimed_step
+    if matrix_sampler is None:
+        resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
+    else:
+        newest = (
+            select(func.max(LatestMetric.step))
+            .where(
+                LatestMetric.run_id == Run.id,
+                LatestMetric.sampler == matrix_sampler,
+                LatestMetric.segment == Run.segment,
+            )
+            .scalar_subquery()
+        )
+        resumes = step < newest  # NULL (not a resume) before the sampler's first figures of the segment
     segment = session.scalar(
         update(Run)
         .where(Run.id == run_id)
         .values(
             segment=case((resumes, Run.segment + 1), else_=Run.segment),
-            claimed_step=case((resumes, step if scored_now else None), else_=kept),
+            claimed_step=case((resumes, None), else_=Run.claimed_step),
         )
         .returning(Run.segment)
+        .execution_options(synchronize_session=False)
     )
-    assert segment is not None  # the run exists: the caller just read it
-    return int(segment)
+    return int(segment) if segment is not None else None
 
 
 def _newest(column: Any, step: int) -> Any:

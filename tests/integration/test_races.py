@@ -17,12 +17,13 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event, func, select, update
 
 from service.app import create_app
+from service.runs import delete_run
 from service.scorers import ScorerPool
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Alert, AlertDelivery, Batch, MetricPoint, Run, as_utc
 from service.worker import Worker
-from tests.fixtures import trajectories
+from tests.fixtures import dependence_matrix, trajectories
 
 pytestmark = pytest.mark.integration
 
@@ -230,3 +231,63 @@ def test_a_delivery_recorded_between_a_claims_read_and_write_is_not_taken_back(q
     with make_sessions(first_engine)() as session:
         stored_delivery = session.get_one(AlertDelivery, delivery_id)
         assert (stored_delivery.status, stored_delivery.attempts, stored_delivery.lease_owner) == ("delivered", 1, None)
+
+
+@pytest.mark.parametrize("route", ["batches", "matrices", "checkpoints"])
+def test_a_run_deleted_while_a_write_to_it_is_handled_answers_404_never_500(database_url, client_for, tmp_path, route):
+    """The write has read the run; the delete commits; the write's first change of the run then finds none."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    client = client_for(database_url, scoring_paused=True, checkpoint_root=tmp_path)
+    client.post("/v1/runs", json={"name": "r", "sampler": LIGHT_SAMPLER})
+    other = make_engine(database_url)
+    bodies = {
+        "batches": {"step": 1, "trajectories": trajectories()},
+        "matrices": dependence_matrix(1, 2.0),
+        "checkpoints": {"path": "ckpt", "step": 1},
+    }
+    first_write = "INSERT INTO CHECKPOINTS" if route == "checkpoints" else "UPDATE RUNS"
+    deleted: list[dict[str, int]] = []
+    try:
+        with paused_before(
+            client.app.state.monitor.engine,
+            first_write,
+            lambda: deleted.append(delete_run(make_sessions(other), "r")),
+        ):
+            response = client.post(f"/v1/runs/r/{route}", json=bodies[route])
+    finally:
+        other.dispose()
+    assert deleted[0]["runs"] == 1
+    assert response.status_code == 404, response.text
+    assert response.json()["error"] == "not_found"
+    assert response.json()["field"] == "run"
+    assert "was deleted while" in response.json()["detail"]
+    assert client.get("/v1/runs/r").status_code == 404
+
+
+def test_deletes_racing_ingest_from_threads_answer_only_404_or_success(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, rate_limit_per_second=0)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def ingest() -> None:
+        step = 0
+        while not stop.is_set():
+            step += 1
+            body = {"step": step, "trajectories": trajectories(n_groups=2, per_group=2, turns=1)}
+            statuses.append(client.post("/v1/runs/r/batches", json=body).status_code)
+
+    client.post("/v1/runs", json={"name": "r", "sampler": LIGHT_SAMPLER})
+    threads = [threading.Thread(target=ingest) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in range(15):  # bounded: delete and re-create the run under the writers
+            assert client.delete("/v1/runs/r").status_code in (204, 404)
+            assert client.post("/v1/runs", json={"name": "r", "sampler": LIGHT_SAMPLER}).status_code in (200, 201)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(WAIT_SECONDS)
+    assert statuses
+    assert set(statuses) <= {202, 404}, sorted(set(statuses))
