@@ -118,37 +118,46 @@ def create_run(
     existing run (a restarted trainer re-posts it); with other settings it is refused (409).
 
     An ingest ``token`` creates at most ``max_runs_per_token`` runs (403 beyond; re-posting an
-    existing run is not a creation)."""
+    existing run is not a creation). Several trainer processes posting one run at once: one
+    creates it, the others get it back as a re-post."""
     wanted = body.model_copy(update={"scorer": body.scorer or settings.default_scorer})
     if wanted.scorer not in settings.scorers:
         raise InvalidRequest(
             f"scorer must be one of {', '.join(settings.scorers)}, got {wanted.scorer!r}", field="scorer"
         )
-    with sessions.begin() as session:
-        existing = queries.run_by_name(session, body.name)
-        if existing is not None:
+    try:
+        with sessions.begin() as session:
+            existing = queries.run_by_name(session, body.name)
+            if existing is not None:
+                _check_same_settings(run_settings(existing), wanted)
+                return run_response(session, existing), False
+            _check_run_limit(session, settings, token)
+            run = Run(
+                name=wanted.name,
+                project=wanted.project,
+                details=wanted.metadata.model_dump(),
+                scorer=wanted.scorer,
+                scorer_mode=wanted.scorer_mode,
+                score_every=wanted.schedule.every,
+                samplers=list(wanted.sampler.samplers),
+                num_samples=wanted.sampler.num_samples,
+                seed=wanted.sampler.seed,
+                temperature=wanted.temperature,
+                filter=wanted.filter.model_dump(),
+                alert_rules=wanted.alerts.model_dump(),
+                reasoning_extraction=wanted.reasoning_extraction,
+                created_by_token=token.id if token is not None else None,
+            )
+            session.add(run)
+            session.flush()
+            return run_response(session, run), True
+    except IntegrityError:  # a concurrent request created the same name after our read: answer as a re-post
+        with sessions.begin() as session:
+            existing = queries.run_by_name(session, body.name)
+            if existing is None:
+                raise
             _check_same_settings(run_settings(existing), wanted)
             return run_response(session, existing), False
-        _check_run_limit(session, settings, token)
-        run = Run(
-            name=wanted.name,
-            project=wanted.project,
-            details=wanted.metadata.model_dump(),
-            scorer=wanted.scorer,
-            scorer_mode=wanted.scorer_mode,
-            score_every=wanted.schedule.every,
-            samplers=list(wanted.sampler.samplers),
-            num_samples=wanted.sampler.num_samples,
-            seed=wanted.sampler.seed,
-            temperature=wanted.temperature,
-            filter=wanted.filter.model_dump(),
-            alert_rules=wanted.alerts.model_dump(),
-            reasoning_extraction=wanted.reasoning_extraction,
-            created_by_token=token.id if token is not None else None,
-        )
-        session.add(run)
-        session.flush()
-        return run_response(session, run), True
 
 
 def _check_run_limit(session: Session, settings: Settings, token: Token | None) -> None:

@@ -291,3 +291,22 @@ def test_deletes_racing_ingest_from_threads_answer_only_404_or_success(database_
             thread.join(WAIT_SECONDS)
     assert statuses
     assert set(statuses) <= {202, 404}, sorted(set(statuses))
+
+
+def test_trainer_processes_posting_one_run_at_once_get_it_created_once_never_500(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, rate_limit_per_second=0)
+    statuses: dict[str, list[int]] = {}
+    for r in range(10):
+        name, at_once = f"ranks-{r}", threading.Barrier(4)
+
+        def post(name: str = name, at_once: threading.Barrier = at_once) -> None:
+            at_once.wait(WAIT_SECONDS)
+            statuses.setdefault(name, []).append(client.post("/v1/runs", json={"name": name}).status_code)
+
+        threads = [threading.Thread(target=post) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WAIT_SECONDS)
+    for name, answers in statuses.items():
+        assert sorted(answers) == [200, 200, 200, 201], (name, answers)  # 500 for the losers before
