@@ -296,7 +296,7 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
             claimable,
         )
         if seen.attempts + 1 > max_attempts:
-            session.execute(
+            failed = session.execute(
                 update(Batch)
                 .where(as_read)
                 .values(
@@ -309,7 +309,9 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
                 )
                 .execution_options(synchronize_session=False)
             )
-            continue  # failed now, or changed by someone else: either way look again
+            if not failed.rowcount:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
+                lost += 1  # changed by someone else meanwhile: look again
+            continue
         batch = session.scalar(
             update(Batch)
             .where(as_read)
