@@ -5,28 +5,43 @@ that caused them (an outbox), so a crash between deciding and sending loses noth
 dispatcher leases due notifications, POSTs them, and on failure retries with exponential backoff
 (``delivery_backoff_seconds`` doubling up to ``delivery_backoff_max_seconds``); after
 ``delivery_max_attempts`` a notification is marked failed, kept with its last error, and counted.
+
+A receiver's URL is a credential (a Slack or generic webhook's path is its secret; an
+Alertmanager URL may carry a password): it is used to send and nowhere else. Reads and logs show
+a receiver as its kind and ``redacted_url`` (scheme and host), and its error as
+``redacted_error`` (status and a short reason, without URLs or token-like strings).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.background import owner_id, poll, retry_through_outage
-from service.schemas import AlertDocument
+from service.schemas import AlertDocument, DeliveryStatus
 from service.settings import Settings
 from service.storage import queries
 from service.storage.tables import Alert, AlertDelivery, as_utc, iso_time, utcnow
 
 log = logging.getLogger("collapse_monitor.alert_delivery")
-LEASE_SECONDS = 60.0  # a dispatcher that dies while sending: its deliveries are sent again after this
+# httpx's timeout of each phase of a POST (connect, write, read, a free connection); a response's
+# body is read only as far as ERROR_BYTES, so one send takes at most about 3 x this.
+SEND_TIMEOUT_SECONDS = 10.0
+ERROR_BYTES = 1024
+# The lease of one notification, taken just before it is sent: it must outlast one send (about
+# 30 s, above) and the recording of its outcome, or another dispatcher would send it too. A
+# dispatcher that dies mid-send: its notification is sent again after this (at least once).
+LEASE_SECONDS = 2 * 3 * SEND_TIMEOUT_SECONDS
+ERROR_CHARS = 200  # of a receiver's error, kept and shown: the status and a short reason
 ICONS = {"firing": ":rotating_light:", "resolved": ":white_check_mark:"}
 
 
@@ -74,8 +89,77 @@ def notifications(alert: Alert, run: str, event: str, settings: Settings) -> lis
             )
         )
     for delivery in out:
-        delivery.status, delivery.attempts, delivery.next_attempt_at = "pending", 0, utcnow()
+        delivery.status, delivery.attempts = "pending", 0
+        # Due at once by the database's clock, which claims compare it with (not this host's).
+        delivery.next_attempt_at = queries.db_time()
     return out
+
+
+def delivery_status(delivery: AlertDelivery) -> DeliveryStatus:
+    """A notification as reads show it: the receiver by kind and host, its error redacted."""
+    return DeliveryStatus(
+        receiver=delivery.receiver,
+        url=redacted_url(delivery.url),
+        event=delivery.event,
+        status=delivery.status,
+        attempts=delivery.attempts,
+        last_error=redacted_error(delivery.last_error, delivery.url) if delivery.last_error else None,
+        delivered_at=iso_time(delivery.delivered_at),
+    )
+
+
+def redacted_url(url: str) -> str:
+    """``https://hooks.slack.com/…``: a receiver's scheme and host (and port); credentials, path and query left out."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port
+    except ValueError:  # not a URL httpx could send to either
+        return "…"
+    if not host:
+        return "…"
+    if ":" in host:  # IPv6
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}{f':{port}' if port else ''}/…"
+
+
+# A secret-looking run of characters: 16 or more of a token's alphabet holding a digit, or 32 or more of any.
+_TOKEN_LIKE = re.compile(r"[A-Za-z0-9_\-.~+/=%]{16,}")
+_URL_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s;,)\"'<>]*")
+
+
+def _is_token_like(text: str) -> bool:
+    return len(text) >= 32 or (any(c.isdigit() for c in text) and any(c.isalpha() for c in text))
+
+
+def _secret_parts(url: str) -> set[str]:
+    """The parts of a receiver's URL that may be its secret: credentials, and path or query parts that look random."""
+    try:
+        parts = urlsplit(url)
+        credentials = {parts.username or "", parts.password or ""}
+    except ValueError:
+        return set()
+    pieces = parts.path.split("/") + [v for pair in parse_qsl(parts.query, keep_blank_values=True) for v in pair]
+    pieces += [unquote(p) for p in pieces]
+    # "services", "hooks", "api" stay readable; "T0ABC123", a 24-character token, a long word do not.
+    return {url, *credentials} | {p for p in pieces if len(p) >= 12 or (len(p) >= 4 and _is_token_like(p))}
+
+
+def redacted_error(error: str, url: str) -> str:
+    """A receiver's error as kept and shown: the status and a short reason, no secret.
+
+    Receivers echo what they were sent (a 404 page naming the path; httpx names the URL), so the
+    URL, its credentials and the random-looking parts of its path and query, any other URL and
+    anything that looks like a token are cut out; then whitespace is folded and the text cut to
+    ``ERROR_CHARS``.
+    """
+    text = error
+    for secret in sorted(_secret_parts(url), key=len, reverse=True):
+        if len(secret) >= 4:
+            text = text.replace(secret, "…")
+    text = _URL_LIKE.sub("<url>", text)
+    text = _TOKEN_LIKE.sub(lambda m: "…" if _is_token_like(m.group()) else m.group(), text)
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 1] + "…"
 
 
 def alertmanager_alert(alert: Alert, run: str, event: str, public_url: str) -> dict[str, Any]:
@@ -103,6 +187,16 @@ def retry_delay(attempts: int, settings: Settings) -> float:
     return float(min(settings.delivery_backoff_seconds * 2 ** (attempts - 1), settings.delivery_backoff_max_seconds))
 
 
+class RedactedRequestLog(logging.Filter):
+    """httpx logs every request's whole URL at INFO: shown as ``redacted_url`` (a receiver's URL is a credential)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if str(record.msg).startswith("HTTP Request:") and isinstance(args, tuple) and len(args) >= 2:
+            record.args = (args[0], redacted_url(str(args[1])), *args[2:])
+        return True
+
+
 class Dispatcher:
     """Sends due notifications; any number of dispatchers may share the database."""
 
@@ -111,64 +205,82 @@ class Dispatcher:
         self.settings = settings
         self.client = client
         self.owner = owner_id()
+        requests = logging.getLogger("httpx")  # the logger httpx writes its request lines to
+        if not any(isinstance(f, RedactedRequestLog) for f in requests.filters):
+            requests.addFilter(RedactedRequestLog())
 
     def run(self, stop: threading.Event, poll_seconds: float = 0.5) -> None:
         """Sends due notifications until ``stop`` is set."""
         poll(lambda: self.run_once() > 0, stop, poll_seconds, log, f"alert dispatcher {self.owner}")
 
     def run_once(self, limit: int = 20) -> int:
-        """Tries every due notification once; returns how many it tried."""
-        leased_at = time.monotonic()
-        with self.sessions.begin() as session:
-            claimed = [
-                (d.id, d.url, d.payload) for d in queries.claim_deliveries(session, self.owner, LEASE_SECONDS, limit)
-            ]
-        for delivery_id, url, payload in claimed:
+        """Tries up to ``limit`` due notifications once each; returns how many it tried.
+
+        Each is leased just before it is sent (one transaction each), so a lease covers one send,
+        however slow the receivers before it were.
+        """
+        tried = 0
+        while tried < limit:
+            leased_at = time.monotonic()
+            with self.sessions.begin() as session:
+                claimed = [
+                    (d.id, d.receiver, d.url, d.payload, d.attempts)
+                    for d in queries.claim_deliveries(session, self.owner, LEASE_SECONDS, 1)
+                ]
+            if not claimed:
+                break
+            ((delivery_id, receiver, url, payload, attempts),) = claimed
             body = payload["alerts"] if "alerts" in payload and url.endswith("/api/v2/alerts") else payload
             error = self._post(url, body)
             # Through a database outage while the lease holds: giving up would send it again later.
             retry_through_outage(
-                functools.partial(self._record_sent, delivery_id, error),
+                functools.partial(self._record_sent, delivery_id, receiver, url, attempts + 1, error),
                 leased_at + LEASE_SECONDS,
                 log,
                 f"alert dispatcher {self.owner}: recording delivery {delivery_id}",
             )
-        return len(claimed)
-
-    def _record_sent(self, delivery_id: int, error: str | None) -> None:
-        with self.sessions.begin() as session:
-            delivery = session.get(AlertDelivery, delivery_id)
-            if delivery is None or delivery.lease_owner != self.owner:
-                return  # another dispatcher took it over after our lease ran out
-            self._record(delivery, error)
+            tried += 1
+        return tried
 
     def _post(self, url: str, body: Any) -> str | None:
+        """None when the receiver took it; else why not, redacted (the URL is the receiver's secret)."""
         try:
-            response = self.client.post(url, json=body, timeout=10.0)
+            with self.client.stream("POST", url, json=body, timeout=SEND_TIMEOUT_SECONDS) as response:
+                if response.is_success:
+                    return None
+                head = b""
+                for chunk in response.iter_bytes():
+                    head += chunk
+                    if len(head) >= ERROR_BYTES:
+                        break
         except httpx.HTTPError as e:
-            return f"{type(e).__name__}: {e}"
-        if response.is_success:
-            return None
-        return f"HTTP {response.status_code}: {response.text[:500]}"
+            return redacted_error(f"{type(e).__name__}: {e}", url)
+        return redacted_error(f"HTTP {response.status_code}: {head[:ERROR_BYTES].decode(errors='replace')}", url)
 
-    def _record(self, delivery: AlertDelivery, error: str | None) -> None:
-        delivery.attempts += 1
-        delivery.lease_owner = None
+    def _record_sent(self, delivery_id: int, receiver: str, url: str, attempts: int, error: str | None) -> None:
+        where = f"{receiver} {redacted_url(url)}"
         if error is None:
-            delivery.status, delivery.delivered_at, delivery.last_error = "delivered", utcnow(), None
-            return
-        delivery.last_error = error
-        if delivery.attempts >= self.settings.delivery_max_attempts:
-            delivery.status = "failed"
-            log.error("alert delivery %s to %s failed for good: %s", delivery.id, delivery.url, error)
-            return
-        delay = retry_delay(delivery.attempts, self.settings)
-        delivery.status, delivery.next_attempt_at = "pending", utcnow() + timedelta(seconds=delay)
-        log.warning(
-            "alert delivery %s to %s failed (try %d), retrying in %.1fs: %s",
-            delivery.id,
-            delivery.url,
-            delivery.attempts,
-            delay,
-            error,
-        )
+            status, retry = "delivered", None
+        elif attempts >= self.settings.delivery_max_attempts:
+            status, retry = "failed", None
+        else:
+            status, retry = "pending", retry_delay(attempts, self.settings)
+        with self.sessions.begin() as session:
+            if not queries.record_delivery(
+                session, delivery_id, self.owner, status=status, error=error, retry_seconds=retry
+            ):
+                log.warning(
+                    "alert delivery %s to %s: another dispatcher took it over; not recorded", delivery_id, where
+                )
+                return
+        if status == "failed":
+            log.error("alert delivery %s to %s failed for good: %s", delivery_id, where, error)
+        elif status == "pending":
+            log.warning(
+                "alert delivery %s to %s failed (try %d), retrying in %.1fs: %s",
+                delivery_id,
+                where,
+                attempts,
+                retry,
+                error,
+            )

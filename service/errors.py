@@ -13,7 +13,8 @@
     │   │   └── RunConflict      409  a run name re-created with different settings
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
-    │       └── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
+    │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
+    │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
         └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
@@ -124,6 +125,10 @@ class RunQueueFull(TooManyRequests):
     code = "run_queue_full"
 
 
+class TokenQueueFull(TooManyRequests):
+    code = "token_queue_full"
+
+
 @dataclass
 class Unavailable(MonitorError):
     retry_after: int = 5
@@ -143,12 +148,17 @@ class DatabaseUnavailable(Unavailable):
     code = "database_unavailable"
 
 
+REQUEST_LOCATIONS = ("body", "query", "path", "header", "cookie")
+
+
 def field_path(loc: Sequence[object]) -> str:
     """Where in a request a value sits, from pydantic's location.
 
     ``('body', 'trajectories', 3, 'turns', 0, 'reasoning')`` -> ``trajectories[3].turns[0].reasoning``.
+    Only the leading part says where in the request (FastAPI's body, query, path, header, cookie):
+    later parts are field names, and a field may well be called ``path`` (a checkpoint's).
     """
-    parts = [p for p in loc if p not in ("body", "query", "path")]
+    parts = list(loc[1:]) if len(loc) > 1 and loc[0] in REQUEST_LOCATIONS else list(loc)
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
 
 

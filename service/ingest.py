@@ -18,11 +18,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction
-from service.errors import Conflict, InvalidRequest, RunQueueFull, TooLarge, Unavailable
+from service.errors import Conflict, InvalidRequest, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
 from service.reasoning import ingest_warnings
 from service.recording import ALL, ScoredBatch, load_emas, record_step
 from service.reward_figures import grouped_reward_figures
-from service.runs import RunSnapshot, is_scheduled, require_run
+from service.runs import RunSnapshot, is_scheduled, require_run, segment_for
 from service.schemas import (
     BatchAccepted,
     BatchIn,
@@ -93,12 +93,12 @@ def ingest_rollouts(
             return replay.model_copy(update={"warnings": warnings})
         check_scoring_cost(payload, run, settings)
         check_token_ids(payload, session.get(ScorerLimits, run.scorer))
-        _check_queues(session, run.id, settings)
+        _check_queues(session, run, settings)
         checkpoint = queries.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
         batch = _new_batch(
             run.id,
             payload.step,
-            queries.advance_segment(session, run.id, payload.step),
+            segment_for(session, run, payload.step),
             payload.idempotency_key,
             "rollouts",
             raw,
@@ -206,14 +206,23 @@ def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
                     )
 
 
-def _check_queues(session: Session, run_id: int, settings: Settings) -> None:
-    """429 when this run has too many batches waiting (it alone slows down); 503 when everyone's queue is full."""
-    queued = queries.queue_depth(session, run_id)
+def _check_queues(session: Session, run: Run, settings: Settings) -> None:
+    """429 when this run, or its token's runs, have too many batches waiting (they alone slow down); 503 when
+    everyone's queue is full."""
+    queued = queries.queue_depth(session, run.id)
     if queued >= settings.max_queued_per_run:
         raise RunQueueFull(
             f"this run has {queued} batches waiting to be scored, its limit (max_queued_per_run); retry later",
             retry_after=5,
         )
+    if run.created_by_token is not None:
+        by_token = queries.token_queue_depth(session, run.created_by_token)
+        if by_token >= settings.max_queued_per_token:
+            raise TokenQueueFull(
+                f"the runs of the token that created this run have {by_token} batches waiting to be scored, its "
+                "share (max_queued_per_token); retry later",
+                retry_after=5,
+            )
     if queries.queue_depth(session) >= settings.max_queue_depth:
         raise Unavailable(
             f"the scoring queue holds {settings.max_queue_depth} batches, its limit; retry later", retry_after=5
@@ -243,7 +252,7 @@ def ingest_matrix(
         batch = _new_batch(
             run.id,
             payload.step,
-            queries.advance_segment(session, run.id, payload.step, scored_now=True),
+            segment_for(session, run, payload.step, matrix_sampler=payload.sampler),
             payload.idempotency_key,
             "matrix",
             raw,

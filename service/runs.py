@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.partition import Extraction
@@ -69,6 +70,18 @@ def require_run(session: Session, name: str) -> Run:
     return run
 
 
+def segment_for(session: Session, run: Run | RunSnapshot, step: int, *, matrix_sampler: str | None = None) -> int:
+    """The segment a batch of ``step`` joins (``queries.advance_segment``), or 404 when the run was just deleted.
+
+    The run was read earlier in the transaction; a concurrent ``DELETE /v1/runs/{run}`` may have
+    committed since (on Postgres this UPDATE waits for its lock and then finds no row).
+    """
+    segment = queries.advance_segment(session, run.id, step, matrix_sampler=matrix_sampler)
+    if segment is None:
+        raise NotFound(f"run {run.name!r} was deleted while this request was being handled", field="run")
+    return segment
+
+
 def run_settings(run: Run) -> RunCreate:
     """A stored run's settings in the form they were created with."""
     return RunCreate.model_validate(
@@ -105,37 +118,46 @@ def create_run(
     existing run (a restarted trainer re-posts it); with other settings it is refused (409).
 
     An ingest ``token`` creates at most ``max_runs_per_token`` runs (403 beyond; re-posting an
-    existing run is not a creation)."""
+    existing run is not a creation). Several trainer processes posting one run at once: one
+    creates it, the others get it back as a re-post."""
     wanted = body.model_copy(update={"scorer": body.scorer or settings.default_scorer})
     if wanted.scorer not in settings.scorers:
         raise InvalidRequest(
             f"scorer must be one of {', '.join(settings.scorers)}, got {wanted.scorer!r}", field="scorer"
         )
-    with sessions.begin() as session:
-        existing = queries.run_by_name(session, body.name)
-        if existing is not None:
+    try:
+        with sessions.begin() as session:
+            existing = queries.run_by_name(session, body.name)
+            if existing is not None:
+                _check_same_settings(run_settings(existing), wanted)
+                return run_response(session, existing), False
+            _check_run_limit(session, settings, token)
+            run = Run(
+                name=wanted.name,
+                project=wanted.project,
+                details=wanted.metadata.model_dump(),
+                scorer=wanted.scorer,
+                scorer_mode=wanted.scorer_mode,
+                score_every=wanted.schedule.every,
+                samplers=list(wanted.sampler.samplers),
+                num_samples=wanted.sampler.num_samples,
+                seed=wanted.sampler.seed,
+                temperature=wanted.temperature,
+                filter=wanted.filter.model_dump(),
+                alert_rules=wanted.alerts.model_dump(),
+                reasoning_extraction=wanted.reasoning_extraction,
+                created_by_token=token.id if token is not None else None,
+            )
+            session.add(run)
+            session.flush()
+            return run_response(session, run), True
+    except IntegrityError:  # a concurrent request created the same name after our read: answer as a re-post
+        with sessions.begin() as session:
+            existing = queries.run_by_name(session, body.name)
+            if existing is None:
+                raise
             _check_same_settings(run_settings(existing), wanted)
             return run_response(session, existing), False
-        _check_run_limit(session, settings, token)
-        run = Run(
-            name=wanted.name,
-            project=wanted.project,
-            details=wanted.metadata.model_dump(),
-            scorer=wanted.scorer,
-            scorer_mode=wanted.scorer_mode,
-            score_every=wanted.schedule.every,
-            samplers=list(wanted.sampler.samplers),
-            num_samples=wanted.sampler.num_samples,
-            seed=wanted.sampler.seed,
-            temperature=wanted.temperature,
-            filter=wanted.filter.model_dump(),
-            alert_rules=wanted.alerts.model_dump(),
-            reasoning_extraction=wanted.reasoning_extraction,
-            created_by_token=token.id if token is not None else None,
-        )
-        session.add(run)
-        session.flush()
-        return run_response(session, run), True
 
 
 def _check_run_limit(session: Session, settings: Settings, token: Token | None) -> None:
@@ -152,9 +174,15 @@ def _check_run_limit(session: Session, settings: Settings, token: Token | None) 
 
 
 def delete_run(sessions: sessionmaker[Session], name: str) -> dict[str, int]:
-    """Deletes the run called ``name`` and everything it owns (404 if unknown); rows deleted per table."""
+    """Deletes the run called ``name`` and everything it owns (404 if unknown); rows deleted per table.
+
+    Two deletes of one run at once: the second finds no row left to delete, and answers 404 too.
+    """
     with sessions.begin() as session:
-        return retention.delete_run(session, require_run(session, name).id)
+        deleted = retention.delete_run(session, require_run(session, name).id)
+        if not deleted["runs"]:
+            raise NotFound(f"run {name!r} does not exist (it was deleted meanwhile)", field="run")
+        return deleted
 
 
 def _check_same_settings(stored: RunCreate, wanted: RunCreate) -> None:
@@ -172,34 +200,78 @@ def announce_checkpoint(
 ) -> CheckpointResponse:
     """Records a policy checkpoint; later batches of a ``policy``-mode run are scored with it."""
     folder = resolve_checkpoint(settings, body.path, body.kind)
-    with sessions.begin() as session:
-        run = require_run(session, run_name)
-        checkpoint = Checkpoint(run_id=run.id, path=str(folder), kind=body.kind, step=body.step)
-        session.add(checkpoint)
-        session.flush()
-        return CheckpointResponse(
-            path=checkpoint.path,
-            kind=body.kind,
-            step=body.step,
-            id=checkpoint.id,
-            created_at=checkpoint.created_at.isoformat(),
-        )
+    try:
+        with sessions.begin() as session:
+            run = require_run(session, run_name)
+            checkpoint = Checkpoint(run_id=run.id, path=str(folder), kind=body.kind, step=body.step)
+            session.add(checkpoint)
+            session.flush()
+            return CheckpointResponse(
+                path=checkpoint.path,
+                kind=body.kind,
+                step=body.step,
+                id=checkpoint.id,
+                created_at=checkpoint.created_at.isoformat(),
+            )
+    except IntegrityError as e:  # the run's foreign key: a concurrent DELETE /v1/runs/{run} committed first
+        with sessions() as session:
+            if queries.run_by_name(session, run_name) is None:
+                raise NotFound(
+                    f"run {run_name!r} was deleted while the checkpoint was being recorded", field="run"
+                ) from e
+        raise
 
 
 def resolve_checkpoint(settings: Settings, path: str, kind: str) -> Path:
     """The checkpoint folder ``path`` names, if it lies under the allow-listed root and looks right."""
+    root = _checkpoint_root(settings)
+    folder = (root / path).resolve()
+    if not folder.is_relative_to(root):
+        raise InvalidRequest(f"path must lie under the checkpoint root {str(root)!r}, got {path!r}", field="path")
+    _check_folder(root, folder, kind, f"{path!r}")
+    return folder
+
+
+def checkpoint_at_load(settings: Settings, folder: Path, kind: str) -> Path:
+    """The announced checkpoint ``folder``, resolved and checked against the root again just before it is loaded.
+
+    It was checked when announced, but a folder under the root can be replaced by a link to
+    anywhere afterwards (or a file in it by one): loading follows links, so the check is redone
+    on what would be read now, and the folder is loaded by its resolved path. 400-style
+    ``InvalidRequest``: the worker fails the batch with this reason.
+    """
+    root = _checkpoint_root(settings)
+    resolved = folder.resolve()
+    if not resolved.is_relative_to(root):
+        raise InvalidRequest(
+            f"the {kind} checkpoint {str(folder)!r} now resolves to {str(resolved)!r}, outside the checkpoint root "
+            f"{str(root)!r} (replaced by a link since it was announced); it was not loaded",
+            field="path",
+        )
+    _check_folder(root, resolved, kind, f"{str(folder)!r}")
+    return resolved
+
+
+def _checkpoint_root(settings: Settings) -> Path:
     if settings.checkpoint_root is None:
         raise InvalidRequest(
             "checkpoints are disabled on this server: set checkpoint_root (COLLAPSE_MONITOR_CHECKPOINT_ROOT)",
             field="path",
         )
-    root = settings.checkpoint_root.resolve()
-    folder = (root / path).resolve()
-    if not folder.is_relative_to(root):
-        raise InvalidRequest(f"path must lie under the checkpoint root {str(root)!r}, got {path!r}", field="path")
+    return settings.checkpoint_root.resolve()
+
+
+def _check_folder(root: Path, folder: Path, kind: str, named: str) -> None:
+    """The folder holds its kind's marker file, and nothing in it is a link leading out of ``root``."""
     marker = "adapter_config.json" if kind == "lora" else "config.json"
     if not (folder / marker).is_file():
         raise InvalidRequest(
             f"a {kind} checkpoint folder must contain {marker}; {str(folder)!r} does not", field="path"
         )
-    return folder
+    for entry in folder.iterdir():  # what a loader reads: config, weights, tokenizer files
+        if not entry.resolve().is_relative_to(root):
+            raise InvalidRequest(
+                f"the checkpoint {named} holds {entry.name!r}, a link to {str(entry.resolve())!r} outside the "
+                f"checkpoint root {str(root)!r}",
+                field="path",
+            )

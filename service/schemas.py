@@ -560,12 +560,20 @@ class AlertDocument(BaseModel):
 
 
 class DeliveryStatus(BaseModel):
+    """A notification owed to a receiver. A receiver's URL is a credential: only its kind and host are shown."""
+
     receiver: Literal["webhook", "slack", "alertmanager"]
-    url: str
+    url: str = Field(
+        description="The receiver's scheme and host, e.g. `https://hooks.slack.com/…`: its path (a webhook's "
+        "secret), query and credentials are never shown."
+    )
     event: Literal["firing", "resolved"]
     status: Literal["pending", "delivering", "delivered", "failed"]
     attempts: int
-    last_error: str | None
+    last_error: str | None = Field(
+        description="The last try's status and a short reason (at most 200 characters), with URLs and token-like "
+        "strings cut out."
+    )
     delivered_at: str | None
 
 

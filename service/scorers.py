@@ -14,11 +14,20 @@ from pathlib import Path
 from scoring import Scorer, load_scorer
 from scoring.scorer import ModelLoadError
 from service.errors import InvalidRequest
+from service.runs import checkpoint_at_load
 from service.settings import Settings
+
+Key = tuple[str, str | None]  # (scorer name, "kind:checkpoint folder" or None)
 
 
 class ScorerPool:
-    """Thread-safe LRU of loaded scorers keyed by (scorer name, temperature-free checkpoint)."""
+    """Thread-safe LRU of loaded scorers keyed by (scorer name, temperature-free checkpoint).
+
+    A load (seconds to minutes: a checkpoint on a slow disk, a GGUF conversion) holds only its
+    own key's lock: a batch needing another scorer is served meanwhile, and two batches needing
+    the same one load it once. The LRU's own lock is held only to look up, insert and evict, so at
+    most ``max_loaded_scorers`` stay loaded (loads in flight are not counted until they land).
+    """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -26,8 +35,9 @@ class ScorerPool:
             import torch  # the pool lives in the scoring process, which loads torch anyway
 
             torch.set_num_threads(settings.threads)
-        self._loaded: OrderedDict[tuple[str, str | None], Scorer] = OrderedDict()
-        self._lock = threading.Lock()
+        self._loaded: OrderedDict[Key, Scorer] = OrderedDict()
+        self._lock = threading.Lock()  # guards _loaded and _loading; never held across a load
+        self._loading: dict[Key, threading.Lock] = {}  # one lock per key being loaded
 
     def get(self, name: str, checkpoint: Path | None = None, kind: str = "full") -> Scorer:
         key = (name, f"{kind}:{checkpoint}" if checkpoint else None)
@@ -35,25 +45,36 @@ class ScorerPool:
             if key in self._loaded:
                 self._loaded.move_to_end(key)
                 return self._loaded[key]
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:
+            with self._lock:  # loaded by the thread this one waited for
+                if key in self._loaded:
+                    self._loaded.move_to_end(key)
+                    return self._loaded[key]
             try:
-                scorer = self._load(name, checkpoint, kind)
-            except (ModelLoadError, InvalidRequest):
-                raise
-            except (OSError, RuntimeError, ValueError) as e:  # missing or mismatched files: the batch's reason
-                what = (
-                    f"the {kind} checkpoint {str(checkpoint)!r} of scorer {name!r}"
-                    if checkpoint
-                    else f"scorer {name!r}"
-                )
-                raise ModelLoadError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
-            self._loaded[key] = scorer
-            while len(self._loaded) > self.settings.max_loaded_scorers:
-                self._loaded.popitem(last=False)
+                scorer = self._load_reporting(name, checkpoint, kind)
+            finally:
+                with self._lock:
+                    self._loading.pop(key, None)
+            with self._lock:
+                self._loaded[key] = scorer
+                while len(self._loaded) > self.settings.max_loaded_scorers:
+                    self._loaded.popitem(last=False)
             return scorer
 
     def loaded(self) -> list[str]:
         with self._lock:
             return [name if ckpt is None else f"{name}@{ckpt}" for name, ckpt in self._loaded]
+
+    def _load_reporting(self, name: str, checkpoint: Path | None, kind: str) -> Scorer:
+        """``_load``, with what went wrong said in the batch's terms."""
+        try:
+            return self._load(name, checkpoint, kind)
+        except (ModelLoadError, InvalidRequest):
+            raise
+        except (OSError, RuntimeError, ValueError) as e:  # missing or mismatched files: the batch's reason
+            what = f"the {kind} checkpoint {str(checkpoint)!r} of scorer {name!r}" if checkpoint else f"scorer {name!r}"
+            raise ModelLoadError(f"{what} could not be loaded: {type(e).__name__}: {e}") from e
 
     def _load(self, name: str, checkpoint: Path | None, kind: str) -> Scorer:
         if name not in self.settings.scorers:
@@ -61,14 +82,16 @@ class ScorerPool:
         base_model = self.settings.scorers[name]
         if checkpoint is None:
             return load_scorer(self.settings.scoring_config(base_model), self.settings.cache_dir)
+        # Checked again now: the folder may have been swapped for a link out of the root since it was announced.
+        folder = checkpoint_at_load(self.settings, checkpoint, kind)
         if kind == "full":
-            scorer = load_scorer(self.settings.scoring_config(str(checkpoint)), self.settings.cache_dir)
+            scorer = load_scorer(self.settings.scoring_config(str(folder)), self.settings.cache_dir)
             if scorer.tokenizer is None:  # pragma: no cover - folders always carry a tokenizer here
                 scorer.tokenizer = load_scorer(
                     self.settings.scoring_config(base_model), self.settings.cache_dir
                 ).tokenizer
             return scorer
-        return _with_lora(load_scorer(self.settings.scoring_config(base_model), self.settings.cache_dir), checkpoint)
+        return _with_lora(load_scorer(self.settings.scoring_config(base_model), self.settings.cache_dir), folder)
 
 
 def _with_lora(base: Scorer, adapter: Path) -> Scorer:

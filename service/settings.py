@@ -113,6 +113,13 @@ class Settings(BaseSettings):
         description="Queued batches of one run beyond which its ingest answers 429, so that one run cannot fill "
         "the queue everyone shares.",
     )
+    max_queued_per_token: int = Field(
+        500,
+        ge=1,
+        description="Queued batches of the runs one token created beyond which their ingest answers 429, so that "
+        "one token cannot fill the queue through many runs (workers also take turns across tokens before runs). "
+        "Runs created without a token (open mode) share only max_queue_depth.",
+    )
     max_scoring_cost: int = Field(
         16_000_000,
         ge=1,

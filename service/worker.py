@@ -61,6 +61,10 @@ class LeaseLost(Interrupted):
     """Another worker holds the batch now (this one was presumed dead): nothing to write."""
 
 
+class BatchDeleted(LeaseLost):
+    """The batch's run was deleted after the claim: nothing to score or write."""
+
+
 class TimeLimit(Interrupted):
     """The batch ran past ``max_scoring_seconds``: it fails with this message."""
 
@@ -183,6 +187,9 @@ class Worker:
         except ShuttingDown:
             self._put_back(batch_id)
             return
+        except BatchDeleted:
+            log.info("worker %s: batch %s was deleted with its run; nothing to score", self.owner, batch_id)
+            return
         except LeaseLost:
             log.warning("worker %s: batch %s was taken over; abandoning it", self.owner, batch_id)
             return
@@ -277,7 +284,9 @@ class Worker:
         # Read after the claim's commit: a run or checkpoint that cannot be read fails its batch,
         # where failing inside the claim would roll the claim back and retry it forever.
         with self.sessions.begin() as session:
-            batch = session.get_one(Batch, batch_id)
+            batch = session.get(Batch, batch_id)
+            if batch is None:  # DELETE /v1/runs/{run} came between the claim and this read
+                raise BatchDeleted
             run = RunSnapshot.of(session.get_one(Run, batch.run_id))
             checkpoint = session.get(Checkpoint, batch.checkpoint_id) if batch.checkpoint_id else None
             return Claimed(

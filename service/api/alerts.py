@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.alert_delivery import alert_document
+from service.alert_delivery import alert_document, delivery_status
 from service.alert_rules import AlertState, RuleName
 from service.api.deps import Caller, ReadsRun, State
 from service.runs import require_run
@@ -34,17 +34,7 @@ def list_alerts(
         rows = queries.list_alerts(session, run_id, alert_state, rule)
         deliveries: dict[int, list[DeliveryStatus]] = {}
         for d in queries.deliveries_of(session, [a.id for a, _ in rows]):
-            deliveries.setdefault(d.alert_id, []).append(
-                DeliveryStatus(
-                    receiver=d.receiver,
-                    url=d.url,
-                    event=d.event,
-                    status=d.status,
-                    attempts=d.attempts,
-                    last_error=d.last_error,
-                    delivered_at=iso_time(d.delivered_at),
-                )
-            )
+            deliveries.setdefault(d.alert_id, []).append(delivery_status(d))
         return [
             AlertResponse(
                 **alert_document(alert, run_name).model_dump(),

@@ -9,14 +9,16 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, bindparam, case, exists, func, insert, or_, select, true, update
+from sqlalchemy import DateTime, Float, and_, bindparam, case, exists, func, insert, literal, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from scoring.estimators import EmaState
 from service.storage.tables import (
@@ -33,6 +35,35 @@ from service.storage.tables import (
 )
 
 SCORING_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class db_time(FunctionElement[datetime]):
+    """The database's clock plus ``seconds``, as a SQL expression: what every lease is timed by.
+
+    Leases are written by one host and compared by another (each worker, each API process): their
+    clocks may differ by seconds, which would end a lease early or hold a dead worker's batch late.
+    The database's clock is the one every host shares. Postgres: ``now()``, the start of the
+    transaction. SQLite: ``strftime('%f')`` (milliseconds), written as SQLAlchemy writes a
+    datetime there (UTC, six fraction digits), so the stored texts compare in time order.
+    """
+
+    type = DateTime(timezone=True)
+    inherit_cache = True
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__(literal(float(seconds), Float()))
+
+
+@compiles(db_time, "postgresql")
+def _db_time_postgresql(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return f"(now() + make_interval(secs => CAST({seconds} AS double precision)))"
+
+
+@compiles(db_time, "sqlite")
+def _db_time_sqlite(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
+    seconds = compiler.process(element.clauses, **kw)
+    return f"(strftime('%Y-%m-%d %H:%M:%f', 'now', printf('%+.3f seconds', {seconds})) || '000')"
 
 
 @dataclass(frozen=True)
@@ -61,7 +92,7 @@ def batch_counts(session: Session, run_id: int | None = None) -> dict[str, int]:
 
 
 def last_step(session: Session, run_id: int) -> int | None:
-    """The newest step with stored figures in the run's current segment."""
+    """The newest step with stored figures in the run's current segment (a matrix's included)."""
     return session.scalar(
         select(func.max(LatestMetric.step))
         .join(Run, Run.id == LatestMetric.run_id)
@@ -69,27 +100,42 @@ def last_step(session: Session, run_id: int) -> int | None:
     )
 
 
-def advance_segment(session: Session, run_id: int, step: int, *, scored_now: bool = False) -> int:
-    """The segment of a batch of ``step`` arriving now; ``scored_now`` when it is scored at once (a matrix).
+def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> int | None:
+    """The segment of a batch of ``step`` arriving now (None: the run is gone); ``matrix_sampler`` for a matrix.
 
     A step below one already taken for scoring starts a new segment (the trainer resumed from an
     earlier checkpoint, or a script was re-run under the same name); a step that merely arrived
     out of order, before a later one was scored, stays in the segment and is scored in step
-    order. One UPDATE, so concurrent ingests of a run serialize on its row.
+    order. Each stream of steps is compared with itself only: rollouts with the rollouts taken
+    for scoring (``claimed_step``), a matrix (scored at once) with the newest step of its own
+    sampler's figures in the segment. So a matrix under a sampler name of its own, whatever its
+    step, never starts a segment at the rollouts' next batch; a resume of any stream starts one
+    for the whole run. One UPDATE, so concurrent ingests of a run serialize on its row.
     """
-    resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
-    kept = _newest(Run.claimed_step, step) if scored_now else Run.claimed_step
+    if matrix_sampler is None:
+        resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
+    else:
+        newest = (
+            select(func.max(LatestMetric.step))
+            .where(
+                LatestMetric.run_id == Run.id,
+                LatestMetric.sampler == matrix_sampler,
+                LatestMetric.segment == Run.segment,
+            )
+            .scalar_subquery()
+        )
+        resumes = step < newest  # NULL (not a resume) before the sampler's first figures of the segment
     segment = session.scalar(
         update(Run)
         .where(Run.id == run_id)
         .values(
             segment=case((resumes, Run.segment + 1), else_=Run.segment),
-            claimed_step=case((resumes, step if scored_now else None), else_=kept),
+            claimed_step=case((resumes, None), else_=Run.claimed_step),
         )
         .returning(Run.segment)
+        .execution_options(synchronize_session=False)
     )
-    assert segment is not None  # the run exists: the caller just read it
-    return int(segment)
+    return int(segment) if segment is not None else None
 
 
 def _newest(column: Any, step: int) -> Any:
@@ -158,56 +204,130 @@ def queue_depth(session: Session, run_id: int | None = None) -> int:
     return int(session.scalar(query) or 0)
 
 
-def _claimable(now: datetime) -> Any:
+def token_queue_depth(session: Session, token_id: int) -> int:
+    """Batches waiting to be scored in the runs the token ``token_id`` created (at most the whole queue's)."""
+    query = (
+        select(func.count())
+        .select_from(Batch)
+        .join(Run, Run.id == Batch.run_id)
+        .where(Batch.status == "queued", Run.created_by_token == token_id)
+    )
+    return int(session.scalar(query) or 0)
+
+
+def _claimable(now: Any) -> Any:
     # Queued, or claimed by a worker whose lease ran out (it crashed or was killed).
     return or_(Batch.status == "queued", and_(Batch.status == "scoring", Batch.lease_expires_at <= now))
 
 
-def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
-    """Claims the next batch to score: round-robin across runs, step order within a run.
+def _is(column: Any, value: Any) -> Any:
+    return column.is_(None) if value is None else column == value
 
-    Among the runs with a claimable batch and none being scored, the one whose batch was claimed
-    least recently goes first (a run never served before all others, then the oldest waiting
-    batch), so a run with 200 queued batches takes turns with a run that posted one. Within a
-    run batches are scored one at a time in step order, so the EMA of each (run, sampler)
-    advances in order. On Postgres the run row is locked with SKIP LOCKED, so concurrent workers
-    claim different runs without waiting on each other; a batch whose lease expired is claimed
-    again. A batch interrupted ``max_attempts`` times is marked failed instead of looping forever.
+
+# The claiming group of a run: the token that created it; 0 for the runs created without one (ids start at 1).
+_token_group = func.coalesce(Run.created_by_token, 0)
+
+# A claim that loses this many races in a row (each one: a batch another worker finished, renewed,
+# released or took between the claim's read and its write) returns None; the worker polls again.
+MAX_LOST_CLAIMS = 8
+
+
+def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
+    """Claims the next batch to score: round-robin across tokens, then across their runs, step order within a run.
+
+    Runs are grouped by the ingest token that created them (runs created without one form one
+    group). Among the runs with a claimable batch and none being scored, those of the group served
+    least recently go first, and among them the run claimed least recently (a group or run never
+    served before all others, then the oldest waiting batch): a token that queued 200 batches
+    over 10 runs takes turns with a token that posted one batch, and a run with 200 queued
+    batches with a run that posted one. Within a run batches are scored one at a time in step
+    order, so the EMA of each (run, sampler) advances in order. The choice reads each run row
+    once (the groups' last service is one grouped pass over ``runs``), whatever the queue holds.
+    On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim different
+    runs without waiting on each other; a batch whose lease expired is claimed again. A batch
+    interrupted ``max_attempts`` times is marked failed instead of looping forever.
+
+    The claim is a compare-and-set: its UPDATE changes the batch only if it still is as it was
+    read (status, lease owner, lease expiry, attempts) and still claimable by the database's
+    clock. A worker whose lease ran out while it was slow may commit its ``done`` between the
+    read and the write: the write then changes nothing, and the claim moves on, where writing by
+    primary key alone would have put the finished batch back to ``scoring`` (and scored it twice).
     """
-    while True:
-        now = utcnow()
+    now = db_time()
+    # When each token's group of runs was last served: the newest claim of any of its runs.
+    served = (
+        select(_token_group.label("token"), func.max(Run.last_claimed_at).label("at")).group_by(_token_group).subquery()
+    )
+    lost = 0
+    while lost < MAX_LOST_CLAIMS:
         claimable = _claimable(now)
         busy = exists().where(Batch.run_id == Run.id, Batch.status == "scoring", Batch.lease_expires_at > now)
         oldest = select(func.min(Batch.created_at)).where(Batch.run_id == Run.id, claimable).scalar_subquery()
         runs = (
             select(Run.id)
+            .join(served, served.c.token == _token_group)
             .where(exists().where(Batch.run_id == Run.id, claimable), ~busy)
-            .order_by(Run.last_claimed_at.asc().nulls_first(), oldest, Run.id)
+            .order_by(served.c.at.asc().nulls_first(), Run.last_claimed_at.asc().nulls_first(), oldest, Run.id)
             .limit(1)
         )
         if session.get_bind().dialect.name == "postgresql":
-            runs = runs.with_for_update(of=Run, skip_locked=True)
+            # FOR NO KEY UPDATE: it still keeps other claims (and a delete) off the run, but not the
+            # rows that only reference it: a worker finishing one of the run's batches (an expired
+            # lease this claim is looking at) writes its points meanwhile instead of deadlocking.
+            runs = runs.with_for_update(of=Run, skip_locked=True, key_share=True)
         run_id = session.scalar(runs)
         if run_id is None:
             return None
-        batch = session.scalar(
-            select(Batch)
+        seen = session.execute(
+            select(Batch.id, Batch.status, Batch.lease_owner, Batch.lease_expires_at, Batch.attempts)
             .where(Batch.run_id == run_id, claimable)
             .order_by(Batch.segment, Batch.step, Batch.created_at)
             .limit(1)
-        )
-        if batch is None:  # pragma: no cover - the run was selected because it has one
-            return None
-        batch.attempts += 1
-        if batch.attempts > max_attempts:
-            batch.status, batch.finished_at = "failed", now
-            batch.error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
-            batch.lease_owner = batch.lease_expires_at = None
-            session.flush()
+        ).one_or_none()
+        if seen is None:  # finished or deleted since the run was chosen
+            lost += 1
             continue
-        batch.status, batch.lease_owner = "scoring", owner
-        batch.lease_expires_at = now + timedelta(seconds=lease_seconds)
-        batch.started_at = now
+        as_read = and_(
+            Batch.id == seen.id,
+            Batch.status == seen.status,
+            _is(Batch.lease_owner, seen.lease_owner),
+            _is(Batch.lease_expires_at, seen.lease_expires_at),
+            Batch.attempts == seen.attempts,
+            claimable,
+        )
+        if seen.attempts + 1 > max_attempts:
+            failed = session.execute(
+                update(Batch)
+                .where(as_read)
+                .values(
+                    status="failed",
+                    finished_at=now,
+                    attempts=Batch.attempts + 1,
+                    error=f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up",
+                    lease_owner=None,
+                    lease_expires_at=None,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            if not failed.rowcount:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
+                lost += 1  # changed by someone else meanwhile: look again
+            continue
+        batch = session.scalar(
+            update(Batch)
+            .where(as_read)
+            .values(
+                status="scoring",
+                lease_owner=owner,
+                lease_expires_at=db_time(lease_seconds),
+                started_at=now,
+                attempts=Batch.attempts + 1,
+            )
+            .returning(Batch)
+            .execution_options(synchronize_session=False, populate_existing=True)
+        )
+        if batch is None:  # lost the race: the batch changed between the read and this write
+            lost += 1
+            continue
         session.execute(
             update(Run)
             .where(Run.id == run_id)
@@ -217,9 +337,10 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
                     (Run.segment == batch.segment, _newest(Run.claimed_step, batch.step)), else_=Run.claimed_step
                 ),
             )
+            .execution_options(synchronize_session=False)
         )
-        session.flush()
         return batch
+    return None
 
 
 def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) -> list[str]:
@@ -227,7 +348,9 @@ def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) 
 
     ``count_attempt``: whether the interrupted scoring counts towards ``max_attempts`` (it does
     when the worker crashed, which the batch itself may have caused; not on a shutdown or when
-    the database was away). Returns the ids released.
+    the database was away). Returns the ids released. One UPDATE whose condition is the lease
+    itself (still scoring, still this owner's), so a batch finished or taken over meanwhile is
+    left alone.
     """
     released = list(
         session.scalars(
@@ -240,16 +363,19 @@ def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) 
                 attempts=Batch.attempts if count_attempt else Batch.attempts - 1,
             )
             .returning(Batch.id)
+            .execution_options(synchronize_session=False)
         )
     )
     return released
 
 
 def renew_lease(session: Session, batch_id: str, owner: str, lease_seconds: float) -> bool:
+    """Extends the lease by ``lease_seconds`` from now (the database's clock); False if it is not ``owner``'s."""
     result = session.execute(
         update(Batch)
         .where(Batch.id == batch_id, Batch.lease_owner == owner, Batch.status == "scoring")
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .values(lease_expires_at=db_time(lease_seconds))
+        .execution_options(synchronize_session=False)
     )
     return bool(result.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
 
@@ -269,9 +395,15 @@ def finish_batch(
 ) -> bool:
     """Marks a batch done or failed, but only if ``owner`` still holds it (None: not leased).
 
-    False means another worker took the batch over; the caller must roll back.
+    False means another worker took the batch over; the caller must roll back. The lease is the
+    UPDATE's own condition: on Postgres a claim racing this write waits for its row lock and then
+    finds the batch no longer claimable; on SQLite writers take turns.
     """
-    holder = Batch.lease_owner == owner if owner is not None else Batch.lease_owner.is_(None)
+    holder = (
+        and_(Batch.lease_owner == owner, Batch.status == "scoring")
+        if owner is not None
+        else Batch.lease_owner.is_(None)
+    )
     changed = session.execute(
         update(Batch)
         .where(Batch.id == batch_id, holder)
@@ -283,10 +415,11 @@ def finish_batch(
             tokens_scored=tokens_scored,
             scorer=scorer,
             checkpoint=checkpoint,
-            finished_at=utcnow(),
+            finished_at=db_time(),
             lease_owner=None,
             lease_expires_at=None,
         )
+        .execution_options(synchronize_session=False)
     )
     return bool(changed.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
 
@@ -569,21 +702,65 @@ def deliveries_of(session: Session, alert_ids: Sequence[int]) -> Sequence[AlertD
 
 
 def claim_deliveries(session: Session, owner: str, lease_seconds: float, limit: int) -> Sequence[AlertDelivery]:
-    """Due deliveries (pending, or leased by a dispatcher that died), leased to ``owner``."""
-    now = utcnow()
-    due = or_(
-        and_(AlertDelivery.status == "pending", AlertDelivery.next_attempt_at <= now),
-        and_(AlertDelivery.status == "delivering", AlertDelivery.next_attempt_at <= now),
+    """Due deliveries (pending, or leased by a dispatcher that died), leased to ``owner`` for ``lease_seconds``.
+
+    The lease is held in ``next_attempt_at`` (due again once it passes), timed by the database's
+    clock. Each delivery is taken by a compare-and-set on its status and due time as read, so
+    two dispatchers (SQLite has no SKIP LOCKED) never both send one, and one that was just
+    recorded as delivered is not taken back.
+    """
+    now = db_time()
+    due = and_(AlertDelivery.status.in_(("pending", "delivering")), AlertDelivery.next_attempt_at <= now)
+    query = (
+        select(AlertDelivery.id, AlertDelivery.status, AlertDelivery.next_attempt_at)
+        .where(due)
+        .order_by(AlertDelivery.next_attempt_at, AlertDelivery.id)
+        .limit(limit)
     )
-    query = select(AlertDelivery).where(due).order_by(AlertDelivery.next_attempt_at, AlertDelivery.id).limit(limit)
     if session.get_bind().dialect.name == "postgresql":
         query = query.with_for_update(skip_locked=True)
-    claimed = session.scalars(query).all()
-    for delivery in claimed:
-        delivery.status, delivery.lease_owner = "delivering", owner
-        delivery.next_attempt_at = now + timedelta(seconds=lease_seconds)
-    session.flush()
+    claimed = []
+    for seen in session.execute(query).all():
+        delivery = session.scalar(
+            update(AlertDelivery)
+            .where(
+                AlertDelivery.id == seen.id,
+                AlertDelivery.status == seen.status,
+                AlertDelivery.next_attempt_at == seen.next_attempt_at,
+                due,
+            )
+            .values(status="delivering", lease_owner=owner, next_attempt_at=db_time(lease_seconds))
+            .returning(AlertDelivery)
+            .execution_options(synchronize_session=False, populate_existing=True)
+        )
+        if delivery is not None:
+            claimed.append(delivery)
     return claimed
+
+
+def record_delivery(
+    session: Session, delivery_id: int, owner: str, *, status: str, error: str | None, retry_seconds: float | None
+) -> bool:
+    """Records one try of a delivery leased to ``owner``: delivered, failed, or pending again in ``retry_seconds``.
+
+    False when the lease is no longer ``owner``'s (it ran out and another dispatcher took the
+    delivery): then nothing is written, and that dispatcher's try counts.
+    """
+    values: dict[str, Any] = {"status": status, "attempts": AlertDelivery.attempts + 1, "lease_owner": None}
+    values["last_error"] = error
+    if status == "delivered":
+        values["delivered_at"] = db_time()
+    if retry_seconds is not None:
+        values["next_attempt_at"] = db_time(retry_seconds)
+    changed = session.execute(
+        update(AlertDelivery)
+        .where(
+            AlertDelivery.id == delivery_id, AlertDelivery.lease_owner == owner, AlertDelivery.status == "delivering"
+        )
+        .values(values)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(changed.rowcount)  # type: ignore[attr-defined]  # CursorResult of an UPDATE
 
 
 def delivery_counts(session: Session) -> list[tuple[str, str, int]]:

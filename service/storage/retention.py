@@ -30,7 +30,8 @@ def delete_run(session: Session, run_id: int) -> dict[str, int]:
     Explicit deletes, children first, rather than the foreign keys' cascades: they do not depend
     on how each database was migrated, and say what went. On Postgres the run row is locked
     first, so a worker cannot claim one of its batches meanwhile (a worker already scoring one
-    finds its lease gone when it writes, and discards its results).
+    finds its lease gone when it writes, and discards its results). An ingest of the run racing
+    this delete either commits first (its batch is deleted here) or finds the run gone (404).
     """
     if session.get_bind().dialect.name == "postgresql":
         session.execute(select(Run.id).where(Run.id == run_id).with_for_update())

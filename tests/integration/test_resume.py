@@ -7,6 +7,8 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.storage import queries
+from service.storage.tables import Batch
 from tests.fixtures import dependence_matrix, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
@@ -104,3 +106,35 @@ def test_the_overview_shows_a_resumed_run_as_its_newest_segment(client):
     feed(client, [0.5] * 2, start=1, key="b")
     (run,) = client.get("/v1/overview").json()["runs"]
     assert run["last_step"] == 2
+
+
+def test_a_matrix_under_its_own_sampler_never_starts_a_segment_for_the_rollouts(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True)
+    client.post("/v1/runs", json={"name": "mixed", "sampler": {"num_samples": 4, "samplers": ["first_turn"]}})
+    sessions = client.app.state.monitor.sessions
+
+    def rollouts(step: int) -> str:
+        response = client.post("/v1/runs/mixed/batches", json={"step": step, "trajectories": trajectories()})
+        assert response.status_code == 202
+        batch_id: str = response.json()["batch_id"]
+        return batch_id
+
+    def segment_of(batch_id: str):
+        with sessions() as session:
+            return session.get_one(Batch, batch_id).segment
+
+    for step in (1, 2, 3):  # taken for scoring (claimed) up to step 3
+        rollouts(step)
+        with sessions.begin() as session:
+            claimed = queries.claim_batch(session, "w#1", 60, max_attempts=3)
+            assert claimed is not None
+            queries.finish_batch(session, claimed.id, "w#1", status="done")
+    far = dependence_matrix(1_000_000_000, 2.0) | {"sampler": "custom", "batch_id": "far"}
+    assert client.post("/v1/runs/mixed/matrices", json=far).status_code == 201
+    assert segment_of(rollouts(4)) == 0  # the rollouts' next step: still their segment
+    assert client.get("/v1/runs/mixed").json()["last_step"] == 1_000_000_000  # the newest figures are the matrix's
+    # The matrix stream is compared with itself: its next step below 1,000,000,000 is a resume of its own,
+    # which starts a segment for the whole run; the rollouts then go on in it.
+    near = dependence_matrix(5, 2.0) | {"sampler": "custom", "batch_id": "near"}
+    assert segment_of(client.post("/v1/runs/mixed/matrices", json=near).json()["batch_id"]) == 1
+    assert segment_of(rollouts(5)) == 1

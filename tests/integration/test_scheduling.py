@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.exc import OperationalError
 
+from service.access import issue_token
 from service.app import create_app
 from service.scorers import ScorerPool
 from service.storage import queries
@@ -65,6 +66,74 @@ def test_claims_take_turns_across_runs_so_a_heavy_queue_cannot_starve_a_light_ru
             assert queries.finish_batch(session, batch.id, "w#1", status="done")
     assert order[:6] == [heavy[0], light[0], heavy[1], light[1], heavy[2], light[2]]
     assert order[6:] == heavy[3:7]  # alone again, the heavy run goes on in step order
+
+
+def bearer(token):
+    return {"Authorization": f"Bearer {token}"}
+
+
+def small(client, run, step, token):
+    body = {"step": step, "trajectories": trajectories(n_groups=2, per_group=2, turns=1)}
+    return client.post(f"/v1/runs/{run}/batches", json=body, headers=bearer(token))
+
+
+def issue(client, scope="ingest"):
+    with client.app.state.monitor.sessions.begin() as session:
+        return issue_token(session, scope).secret
+
+
+def claim_and_finish(sessions) -> Batch:
+    with sessions.begin() as session:
+        batch = queries.claim_batch(session, "w#1", 60, max_attempts=3)
+        assert batch is not None
+        assert queries.finish_batch(session, batch.id, "w#1", status="done")
+        return batch
+
+
+def test_claims_take_turns_across_tokens_so_one_token_with_many_runs_cannot_starve_another(database_url, paused):
+    client, sessions, _ = paused(database_url, token_cache_seconds=0)
+    heavy, light = issue(client), issue(client)
+    for r in range(10):
+        created = client.post("/v1/runs", json={"name": f"heavy-{r}", "sampler": LIGHT_SAMPLER}, headers=bearer(heavy))
+        assert created.status_code == 201
+        for step in range(20):
+            assert small(client, f"heavy-{r}", step, heavy).status_code == 202
+    client.post(
+        "/v1/runs", json={"name": "light", "sampler": LIGHT_SAMPLER}, headers={"Authorization": f"Bearer {light}"}
+    )
+    waiting = small(client, "light", 0, light).json()["batch_id"]  # after the heavy token's 200
+    with sessions() as session:
+        run_of = dict(session.execute(select(Run.id, Run.name)).all())
+    order = [claim_and_finish(sessions) for _ in range(6)]
+    assert waiting in [b.id for b in order[:3]]  # not behind the heavy token's 10 runs
+    heavy_runs = [run_of[b.run_id] for b in order if b.id != waiting]
+    assert heavy_runs == [f"heavy-{r}" for r in range(5)]  # and among its own runs, round-robin
+
+
+def test_a_token_is_refused_at_its_share_of_the_queue_and_others_are_not(database_url, paused):
+    client, sessions, _ = paused(database_url, token_cache_seconds=0, max_queued_per_token=5)
+    greedy, other = issue(client), issue(client)
+    for name, token in (("g-1", greedy), ("g-2", greedy), ("o-1", other)):
+        client.post(
+            "/v1/runs", json={"name": name, "sampler": LIGHT_SAMPLER}, headers={"Authorization": f"Bearer {token}"}
+        )
+    for step in range(5):
+        assert small(client, ("g-1", "g-2")[step % 2], step, greedy).status_code == 202
+    refused = small(client, "g-2", 5, greedy)
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "5"
+    assert refused.json() == {
+        "error": "token_queue_full",
+        "detail": "the runs of the token that created this run have 5 batches waiting to be scored, its share "
+        "(max_queued_per_token); retry later",
+        "field": None,
+        "index": None,
+    }
+    assert small(client, "o-1", 0, other).status_code == 202  # another token's runs are not held back
+    metrics = client.get("/metrics").text
+    assert 'collapse_monitor_rejections_total{reason="token_queue_full"} 1.0' in metrics
+    claim_and_finish(sessions)  # a batch of the greedy token's is scored: room for one more
+    assert small(client, "g-2", 5, greedy).status_code == 202
 
 
 def test_the_worker_scores_a_light_run_within_its_first_claims(database_url, paused):
