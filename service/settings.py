@@ -132,16 +132,24 @@ class Settings(BaseSettings):
     max_token_ids: int = Field(65536, ge=1, description="Token ids per prompt or reasoning.")
     max_matrix_cells: int = Field(4_000_000, ge=1, description="R x N cells of an uploaded matrix.")
 
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether writes (and deleting runs) need a token. on: always; off: never (open mode, even with "
+        "tokens; `serve` refuses it on a non-loopback host without allow_insecure_bind); auto: on once a token was "
+        "ever issued on this database (revoking every token keeps it on) or when binding a non-loopback host "
+        "without allow_insecure_bind, else open. Decided per request.",
+    )
     require_token_for_reads: bool = Field(
         False,
         description="Reads (/v1 GETs, the web pages' data) need a read or admin token (an ingest token reads its own "
-        "runs). Writes need a token whenever any unrevoked token exists, whatever this says.",
+        "runs). Whether writes need one is the auth setting.",
     )
     require_token_for_metrics: bool = Field(False, description="/metrics needs a read or admin token.")
     allow_insecure_bind: bool = Field(
         False,
-        description="Let `serve` bind a non-loopback address although no API token exists, so that anyone who "
-        "reaches the port can write (a container whose port is published on loopback only, a trusted network).",
+        description="Let `serve` bind a non-loopback address although no API token exists (or with auth off), so "
+        "that, until a token is issued, anyone who reaches the port can write (a container whose port is published "
+        "on loopback only, a trusted network).",
     )
     token_cache_seconds: float = Field(
         2.0,
