@@ -27,6 +27,7 @@ from service.api.middleware import AnswerErrors, BodyLimit, BodyTooLarge, CountR
 from service.background import start_in_thread
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.rate_limit import BodyBudget
 from service.readiness import DatabaseProbe
 from service.retention import Purger
 from service.settings import Settings
@@ -66,6 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
             metrics=ServiceMetrics(registry, rejection_reasons()),
             tokens=TokenCache(sessions, settings.token_cache_seconds),
             database_probe=DatabaseProbe(engine, url),
+            bodies=BodyBudget(settings.max_parsing_bytes),
         )
         registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
         app.state.monitor = state

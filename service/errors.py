@@ -15,6 +15,7 @@
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       └── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
+        ├── ParsingBusy          503  other bodies being parsed hold ``max_parsing_bytes``; retry shortly
         └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
 Any other exception answers 500 ``internal_error`` in the same shape (``service.api.middleware``).
@@ -129,6 +130,14 @@ class Unavailable(MonitorError):
     retry_after: int = 5
     status = 503
     code = "queue_full"
+
+
+@dataclass
+class ParsingBusy(Unavailable):
+    """Request bodies being parsed already hold the parsing budget: nothing of this request was kept."""
+
+    retry_after: int = 1
+    code = "parsing_busy"
 
 
 @dataclass

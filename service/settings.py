@@ -126,6 +126,13 @@ class Settings(BaseSettings):
         description="Largest request body accepted; the server holds a body and its parsed form at once (a "
         "15 MB batch peaked at ~85 MB above an API process's 105 MB).",
     )
+    max_parsing_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Request body bytes parsed at once, all requests together: parsing holds up to ~9x a body's "
+        "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
+        "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
+    )
     max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")
     max_turns: int = Field(256, ge=1, description="Turns per trajectory.")
     max_text_chars: int = Field(400_000, ge=1, description="Characters per prompt or response text.")
