@@ -102,8 +102,9 @@ class Settings(BaseSettings):
     rate_limit_per_second: float = Field(
         50.0,
         ge=0,
-        description="Requests per second one client (its issued token, else its address) may send to /v1/; beyond it "
-        "429 with Retry-After. 0 turns the limit off.",
+        description="Requests per second one client (its issued token, else its address) may send, on every path but "
+        "/healthz and /readyz (/metrics counts in a bucket of its own); beyond it 429 with Retry-After. 0 turns the "
+        "limit off.",
     )
     rate_limit_burst: int = Field(200, ge=1, description="Requests a client may send at once above that rate.")
     max_queue_depth: int = Field(1000, ge=1, description="Queued batches (all runs) beyond which ingest answers 503.")

@@ -57,8 +57,21 @@ class AnswerErrors:
             await JSONResponse(MonitorError(detail).body(), status_code=500)(scope, _drain, send)
 
 
+# HTTP methods counted under their own name; any other (a client may send any token as a method)
+# counts as OTHER, so that made-up methods cannot add series to /metrics.
+COUNTED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in COUNTED_METHODS else "OTHER"
+
+
 class CountRequests:
-    """Counts answered requests by method, route template and status (plain ASGI: no body copies)."""
+    """Counts answered requests by method, route template and status (plain ASGI: no body copies).
+
+    Every label is bounded: methods outside ``COUNTED_METHODS`` are OTHER, paths are route
+    templates (an unmatched path is ``unmatched``), statuses are HTTP's.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -81,7 +94,7 @@ class CountRequests:
             state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
             if state is not None:
                 template = getattr(scope.get("route"), "path", "unmatched")
-                state.metrics.requests.labels(scope["method"], template, status).inc()
+                state.metrics.requests.labels(method_label(scope["method"]), template, status).inc()
 
 
 class NoNulInUrl:
@@ -157,12 +170,21 @@ async def _drain() -> MutableMapping[str, Any]:
     return {"type": "http.disconnect"}
 
 
+# Probes are never limited: they cost nothing (/readyz checks the database one probe at a time),
+# and an orchestrator takes a refused probe for a dead service and restarts it, so the flood wins.
+UNLIMITED_PATHS = frozenset({"/healthz", "/readyz"})
+# Prometheus scrapes draw on a bucket of their own per client: a busy trainer on the scraper's
+# host cannot make a scrape fail, and a flood of /metrics is still refused like any other flood.
+SCRAPE_PATH = "/metrics"
+
+
 class RateLimit:
-    """429 + Retry-After for a client over ``rate`` requests per second (bursts up to ``burst``).
+    """429 + Retry-After for a client over ``rate`` requests per second (bursts up to ``burst``), on every path.
 
     A client is its bearer token once that token is known as one this service issued, else its
     address: made-up tokens share their sender's bucket, so they cannot buy a fresh burst each.
-    Only the API is limited: health checks, Prometheus scrapes and the pages' static files are not.
+    Every path counts (unmatched ones, pages and static files too) except ``UNLIMITED_PATHS``;
+    ``/metrics`` counts in a bucket of its own per client.
     """
 
     def __init__(self, app: ASGIApp, rate: float, burst: int) -> None:
@@ -170,8 +192,11 @@ class RateLimit:
         self.buckets = TokenBuckets(rate, burst)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            wait = self.buckets.take(_client(scope), time.monotonic())
+        if scope["type"] == "http" and scope["path"] not in UNLIMITED_PATHS:
+            key = _client(scope)
+            if scope["path"] == SCRAPE_PATH:
+                key = "scrape:" + key
+            wait = self.buckets.take(key, time.monotonic())
             if wait > 0:
                 error = TooManyRequests(
                     f"this client sent more than {self.buckets.rate:g} requests per second "
