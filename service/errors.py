@@ -3,11 +3,13 @@
     MonitorError                 every error the service raises on purpose
     ├── ClientError              the request is at fault (4xx); counted by reason
     │   ├── InvalidRequest       400  well-formed but inconsistent (shapes, unknown scorer, paths)
+    │   │   └── UntrustedHost    400  a Host header the service does not answer to (allowed_hosts)
     │   ├── Unauthorized         401  no bearer token where one is needed
     │   │   ├── InvalidToken     401  a token this service never issued
     │   │   └── RevokedToken     401  a token that was revoked
     │   ├── Forbidden            403  a valid token whose scope or run prefix does not allow this
-    │   │   └── RunLimitReached  403  an ingest token that created ``max_runs_per_token`` runs
+    │   │   ├── RunLimitReached  403  an ingest token that created ``max_runs_per_token`` runs
+    │   │   └── ForeignOrigin    403  a state-changing request from a browser page of another origin
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  a batch_id replayed with different content
     │   │   └── RunConflict      409  a run name re-created with different settings
@@ -90,6 +92,17 @@ class Forbidden(ClientError):
 
 class RunLimitReached(Forbidden):
     code = "run_limit"
+
+    def headers(self) -> dict[str, str] | None:
+        return None
+
+
+class UntrustedHost(InvalidRequest):
+    code = "untrusted_host"
+
+
+class ForeignOrigin(Forbidden):
+    code = "foreign_origin"
 
     def headers(self) -> dict[str, str] | None:
         return None

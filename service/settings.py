@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from scoring.config import ScoringConfig
 
 _SCORING = ScoringConfig()  # scoring's defaults; the settings reuse them
+WILDCARD_BINDS = ("0.0.0.0", "::", "")  # every interface: clients reach it under names it cannot know
 
 
 class Settings(BaseSettings):
@@ -159,6 +160,19 @@ class Settings(BaseSettings):
         "that, until a token is issued, anyone who reaches the port can write (a container whose port is published "
         "on loopback only, a trusted network).",
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header names the service answers to besides the loopback names and the bound host (a DNS "
+        "name pointed at this machine must be listed, so that a page that rebinds its own name to this address is "
+        "refused, 400 untrusted_host); '*.example.com' covers subdomains, '*' any host. Empty while binding every "
+        "interface (0.0.0.0, ::): any host. /healthz and /readyz answer any host.",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins (scheme://host[:port]) besides the service's own that may send POST, PUT, PATCH "
+        "and DELETE; a request from any other Origin is refused (403 foreign_origin). Requests without an Origin "
+        "header (not sent by a browser) are not affected.",
+    )
     token_cache_seconds: float = Field(
         2.0,
         ge=0,
@@ -204,6 +218,24 @@ class Settings(BaseSettings):
                 f"default_scorer {self.default_scorer!r} must be one of the named scorers: {', '.join(self.scorers)}"
             )
         return self
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if "*" in pattern[1:] or (pattern.startswith("*") and pattern != "*" and not pattern.startswith("*.")):
+                raise ValueError(f"a host pattern is a name, '*.example.com' or '*', got {pattern!r}")
+        return [pattern.lower() for pattern in value]
+
+    @property
+    def trusted_hosts(self) -> list[str]:
+        """Host names the service answers to: loopback, the bound host, ``allowed_hosts`` ('*' binding everything)."""
+        if not self.allowed_hosts and self.host in WILDCARD_BINDS:
+            return ["*"]
+        names = ["localhost", "127.0.0.1", "[::1]", *self.allowed_hosts]
+        if self.host not in WILDCARD_BINDS:
+            names.append(f"[{self.host}]" if ":" in self.host else self.host.lower())
+        return names
 
     @property
     def resolved_database_url(self) -> str:
