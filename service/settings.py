@@ -125,8 +125,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         32 * 1024 * 1024,
         ge=1024,
-        description="Largest request body accepted; the server holds a body and its parsed form at once (a "
-        "15 MB batch peaked at ~85 MB above an API process's 105 MB).",
+        description="Largest request body accepted; the server holds a body and its parsed form at once (a 27 MB "
+        "batch of token ids peaked at ~7x its size; max_parsing_bytes bounds several at once).",
     )
     max_parsing_bytes: int = Field(
         64 * 1024 * 1024,
