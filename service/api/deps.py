@@ -93,7 +93,7 @@ class AccessFirst(APIRoute):
         model = _body_model(self.endpoint)
         if model is None:
             return handler
-        checks = [d.dependency for d in self.dependencies if d.dependency in HEADER_CHECKS]
+        checks = [_with_path_names(d.dependency) for d in self.dependencies if d.dependency in HEADER_CHECKS]
         if not checks:
             raise TypeError(f"{self.path}: a route with a body must declare its access check in dependencies")
 
@@ -112,9 +112,16 @@ class AccessFirst(APIRoute):
         return access_then_body
 
 
-def _run_checks(checks: list[Callable[..., None]], access: Access, path: Mapping[str, Any]) -> None:
-    for check in checks:
-        check(access, **{name: path[name] for name in typing.get_type_hints(check) if name not in ("access", "return")})
+HeaderCheck = tuple[Callable[..., None], tuple[str, ...]]  # an access check and the path parameters it takes
+
+
+def _with_path_names(check: Callable[..., None]) -> HeaderCheck:
+    return check, tuple(name for name in typing.get_type_hints(check) if name not in ("access", "return"))
+
+
+def _run_checks(checks: list[HeaderCheck], access: Access, path: Mapping[str, Any]) -> None:
+    for check, names in checks:
+        check(access, **{name: path[name] for name in names})
 
 
 def _body_model(endpoint: Callable[..., Any]) -> type[BaseModel] | None:
