@@ -159,7 +159,7 @@ def corpus_main(args: argparse.Namespace) -> None:
     tables = []
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(_env_file=None, data_dir=Path(tmp), scoring_paused=True)  # type: ignore[call-arg]
-        with TestClient(create_app(settings)) as client:
+        with TestClient(create_app(settings), base_url="http://localhost") as client:  # a host it answers to
             for rows in [int(v) for v in args.rows.split(",")]:
                 tables.append(corpus_runs(client, rows, args))
     print(
@@ -198,7 +198,7 @@ def main() -> None:
         del os.environ[key]
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(_env_file=None, data_dir=Path(tmp), scoring_paused=True)  # type: ignore[call-arg]
-        with TestClient(create_app(settings)) as client:
+        with TestClient(create_app(settings), base_url="http://localhost") as client:  # a host it answers to
             onsets = [int(rng.integers(12, 25)) for _ in range(args.runs)]
             for i in range(args.runs):
                 simulate(client, f"healthy-{i}", args.steps, None, (), rng, alerts)

@@ -1,19 +1,23 @@
 """Who may do what: API tokens (issued, hashed, looked up through a short cache) and the access rules.
 
-    ingest  writes runs whose name starts with its run prefix ("" = any run); reads those runs
+    ingest  writes runs its run prefix covers ("" = any run, see ``covers``); reads those runs
     read    reads everything (when reads need a token)
     admin   everything, deleting runs included
 
-Writes need a token once any unrevoked token exists; reads and ``/metrics`` only when
-``require_token_for_reads`` / ``require_token_for_metrics`` say so. A token is looked up only
-when a rule needs one: where nothing is needed, an ``Authorization`` header is ignored.
-Must not import fastapi.
+Whether writes need a token is configuration (``auth``), never only the contents of the token
+table: ``on`` always, ``off`` never, ``auto`` (the default) once a token was ever issued on this
+database (a fact kept apart from the tokens, so revoking every token does not reopen writes) or
+when the service binds a non-loopback address without ``allow_insecure_bind``. It is decided per
+request. Reads and ``/metrics`` need one only when ``require_token_for_reads`` /
+``require_token_for_metrics`` say so. A token is looked up only when a rule needs one: where
+nothing is needed, an ``Authorization`` header is ignored. Must not import fastapi.
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 import secrets
 import threading
 import time
@@ -33,6 +37,42 @@ Scope = Literal["ingest", "read", "admin"]
 SCOPES: tuple[str, ...] = get_args(Scope)
 PREFIX = "cm_"  # every token starts with it: recognisable in a leaked log or a secret scanner
 HINT_CHARS = 8  # the first characters of a token shown by `tokens list`
+# Where a run prefix may end inside a run name: a prefix covers whole name segments, so that
+# `team-a` covers `team-a` and `team-a-grpo` but never `team-admin-x`.
+SEPARATORS = "-_./:"
+# A prefix is the start of a run name: the run names' own alphabet (service.schemas.RunName).
+PREFIX_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def covers(prefix: str, run: str) -> bool:
+    """Whether an ingest token's run ``prefix`` covers ``run``: whole name segments, never a part of one.
+
+    ``""`` covers every run; otherwise the run is the prefix itself, or starts with it where a
+    segment ends: the prefix ends with a separator (``team-a-``), or the run continues with one.
+    """
+    if not prefix:
+        return True
+    if not run.startswith(prefix):
+        return False
+    return len(run) == len(prefix) or prefix[-1] in SEPARATORS or run[len(prefix)] in SEPARATORS
+
+
+def prefix_rule(prefix: str) -> str:
+    """The runs ``prefix`` covers, in words for a refusal."""
+    if not prefix or prefix[-1] in SEPARATORS:
+        return f"whose name starts with {prefix!r}"
+    return f"named {prefix!r} or starting with {prefix!r} and a separator ({' '.join(SEPARATORS)})"
+
+
+def check_run_prefix(scope: str, run_prefix: str) -> None:
+    """Refuses a prefix that could never cover a run, or a prefix on a token other than ingest."""
+    if run_prefix and scope != "ingest":
+        raise ValueError(f"a run prefix limits ingest tokens only; a {scope} token cannot have one")
+    if run_prefix and not PREFIX_PATTERN.fullmatch(run_prefix):
+        raise ValueError(
+            "a run prefix is the start of run names: a letter or digit, then letters, digits, '.', '_' or '-' "
+            f"(at most 128 characters), got {run_prefix!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -45,7 +85,7 @@ class Token:
     is_revoked: bool
 
     def may_write(self, run: str) -> bool:
-        return self.scope == "admin" or (self.scope == "ingest" and run.startswith(self.run_prefix))
+        return self.scope == "admin" or (self.scope == "ingest" and covers(self.run_prefix, run))
 
 
 @dataclass(frozen=True)
@@ -60,12 +100,13 @@ def digest(secret: str) -> str:
 
 
 def issue_token(session: Session, scope: str, run_prefix: str = "", name: str | None = None) -> IssuedToken:
+    """Issues a token (its secret returned once) and records, for good, that this database issues tokens."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, got {scope!r}")
-    if run_prefix and scope != "ingest":
-        raise ValueError(f"a run prefix limits ingest tokens only; a {scope} token cannot have one")
+    check_run_prefix(scope, run_prefix)
     secret = PREFIX + secrets.token_urlsafe(32)
     row = stored.add_token(session, scope, run_prefix, name, digest(secret), secret[:HINT_CHARS])
+    stored.record_tokens_issued(session)
     return IssuedToken(_detached(row), secret)
 
 
@@ -85,20 +126,24 @@ class TokenCache:
         self.ttl_seconds = ttl_seconds
         self.max_entries = max_entries
         self._tokens: OrderedDict[str, tuple[float, Token | None]] = OrderedDict()
-        self._any_active: tuple[float, bool] | None = None
+        self._issued: tuple[float, bool] | None = None
         self._lock = threading.Lock()
 
-    def any_active(self) -> bool:
-        """Whether any unrevoked token exists (then every write needs one)."""
+    def tokens_issued(self) -> bool:
+        """Whether a token was ever issued on this database (revoked since or not).
+
+        A yes is kept for good (the fact never goes back); a no is asked again after ``ttl_seconds``,
+        so that a token issued by ``collapse-monitor tokens create`` closes writes within that time.
+        """
         now = time.monotonic()
         with self._lock:
-            if self._any_active is not None and now - self._any_active[0] < self.ttl_seconds:
-                return self._any_active[1]
+            if self._issued is not None and (self._issued[1] or now - self._issued[0] < self.ttl_seconds):
+                return self._issued[1]
         with self.sessions() as session:
-            found = stored.active_token_count(session) > 0
+            issued = stored.tokens_were_issued(session)
         with self._lock:
-            self._any_active = (now, found)
-        return found
+            self._issued = (now, issued)
+        return issued
 
     def known(self, secret: str) -> bool:
         """Whether ``secret`` was looked up as an issued token (expired entries too; never a query)."""
@@ -133,9 +178,18 @@ class Access:
         self.secret = secret
         self.settings = settings
 
+    def writes_need_token(self) -> bool:
+        """The ``auth`` setting, decided now: ``auto`` is on once a token was issued, or on a non-loopback bind."""
+        auth = self.settings.auth
+        if auth != "auto":
+            return auth == "on"
+        if not is_loopback(self.settings.host) and not self.settings.allow_insecure_bind:
+            return True
+        return self.cache.tokens_issued()
+
     def write(self, run: str | None, field: str = "run") -> Token | None:
         """A write to ``run`` (None: to some run, checked again once the name is known)."""
-        if not self.cache.any_active():
+        if not self.writes_need_token():
             return None
         token = self.token()
         if token.scope not in ("ingest", "admin"):
@@ -145,13 +199,12 @@ class Access:
             )
         if run is not None and not token.may_write(run):
             raise Forbidden(
-                f"this ingest token may write runs whose name starts with {token.run_prefix!r}, not {run!r}",
-                field=field,
+                f"this ingest token may write runs {prefix_rule(token.run_prefix)}, not {run!r}", field=field
             )
         return token
 
     def admin(self, what: str) -> None:
-        if not self.cache.any_active():
+        if not self.writes_need_token():
             return
         token = self.token()
         if token.scope != "admin":
@@ -170,7 +223,7 @@ class Access:
         where = "every run" if runs is None else f"run {next(r for r in runs if not token.may_write(r))!r}"
         raise Forbidden(
             f"this {token.scope} token may not read {where}; reads need a read or admin token "
-            f"(an ingest token reads the runs starting with its prefix {token.run_prefix!r})"
+            f"(an ingest token reads the runs {prefix_rule(token.run_prefix)})"
         )
 
     def metrics(self) -> None:

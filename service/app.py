@@ -23,10 +23,21 @@ from starlette.exceptions import HTTPException
 from service.access import TokenCache
 from service.alert_delivery import Dispatcher
 from service.api import alerts, batches, matrices, overview, pages, runs, system
-from service.api.middleware import AnswerErrors, BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
+from service.api.middleware import (
+    AnswerErrors,
+    BodyLimit,
+    BodyTooLarge,
+    CountRequests,
+    NoNulInUrl,
+    RateLimit,
+    SameOrigin,
+    SecurityHeaders,
+    TrustedHosts,
+)
 from service.background import start_in_thread
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.rate_limit import BodyBudget
 from service.readiness import DatabaseProbe
 from service.retention import Purger
 from service.settings import Settings
@@ -66,6 +77,7 @@ def create_app(settings: Settings) -> FastAPI:
             metrics=ServiceMetrics(registry, rejection_reasons()),
             tokens=TokenCache(sessions, settings.token_cache_seconds),
             database_probe=DatabaseProbe(engine, url),
+            bodies=BodyBudget(settings.max_parsing_bytes),
         )
         registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
         app.state.monitor = state
@@ -95,6 +107,9 @@ def create_app(settings: Settings) -> FastAPI:
         "run's name prefix, or an admin token); reads and /metrics need one when the server is configured so. "
         "Refusals answer 401 or 403 in the usual error shape (docs/api.md, API tokens).",
         lifespan=lifespan,
+        # /docs is service.api.pages' (vendored Swagger UI, no CDN); FastAPI's ReDoc would load from one.
+        docs_url=None,
+        redoc_url=None,
     )
     app.include_router(runs.router)
     app.include_router(batches.router)
@@ -109,12 +124,17 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]  # as above
     app.add_exception_handler(exc.DBAPIError, _database_error)  # type: ignore[arg-type]  # as above
     app.add_exception_handler(exc.TimeoutError, _database_error)  # type: ignore[arg-type]  # as above
+    # Added innermost first: a request meets SecurityHeaders, AnswerErrors, CountRequests, TrustedHosts,
+    # RateLimit, SameOrigin, NoNulInUrl, BodyLimit, then the routes.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(NoNulInUrl)
+    app.add_middleware(SameOrigin, allowed_origins=settings.allowed_origins)
     if settings.rate_limit_per_second > 0:
         app.add_middleware(RateLimit, rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
+    app.add_middleware(TrustedHosts, allowed=settings.trusted_hosts)
     app.add_middleware(CountRequests)
     app.add_middleware(AnswerErrors)
+    app.add_middleware(SecurityHeaders)
     return app
 
 

@@ -10,7 +10,7 @@
                                                  a scoring worker process sharing the database
     collapse-monitor migrate [--database-url URL] [--revision REV]
                                                  bring the database schema to REV (default head), then exit
-    collapse-monitor tokens  create --scope ingest|read|admin [--run-prefix P] [--name N] | list | revoke ID
+    collapse-monitor tokens  create --scope ingest|read|admin [--run-prefix P] [--name N] | list | revoke ID [--force]
                                                  API tokens (create prints the secret once)
     collapse-monitor purge   [--older-than-days N] [--database-url URL]
                                                  purge stored payloads of finished batches older than N days
@@ -136,7 +136,11 @@ def _build_parser() -> _Parser:
     token_commands = tokens.add_subparsers(required=True, metavar="ACTION", parser_class=_Parser)
     create = token_commands.add_parser("create", help="create a token and print it (once: only its hash is kept)")
     create.add_argument("--scope", required=True, choices=["ingest", "read", "admin"], help="what it may do")
-    create.add_argument("--run-prefix", default="", help="ingest: the runs it may write start with this (default any)")
+    create.add_argument(
+        "--run-prefix",
+        default="",
+        help="ingest: the runs it may write: named this, or starting with it and a separator (- _ .); default any",
+    )
     create.add_argument("--name", help="who or what holds it (shown by list)")
     _database_flags(create)
     create.set_defaults(command=_run_tokens_create)
@@ -147,6 +151,9 @@ def _build_parser() -> _Parser:
     listing.set_defaults(command=_run_tokens_list)
     revoke = token_commands.add_parser("revoke", help="revoke a token (API processes notice within seconds)")
     revoke.add_argument("id", type=int, help="the token's id (tokens list)")
+    revoke.add_argument(
+        "--force", action="store_true", help="revoke the last unrevoked admin token too (then no one can delete runs)"
+    )
     _database_flags(revoke)
     revoke.set_defaults(command=_run_tokens_revoke)
 
@@ -236,13 +243,23 @@ def _token_document(token: Any) -> dict[str, Any]:
 
 
 def _run_tokens_create(args: argparse.Namespace) -> Any:
-    from service.access import issue_token
+    from service.access import check_run_prefix, issue_token
 
     if args.run_prefix and args.scope != "ingest":
         raise UsageError(f"--run-prefix: only ingest tokens are limited to a run prefix, not {args.scope} tokens")
+    try:
+        check_run_prefix(args.scope, args.run_prefix)
+    except ValueError as e:
+        raise UsageError(f"--run-prefix: {e}") from e
     with _sessions(args) as sessions, sessions.begin() as session:
         issued = issue_token(session, args.scope, args.run_prefix, args.name)
     print("Keep this token now: it is not shown again (only its hash is stored).", file=sys.stderr)
+    if args.scope == "ingest" and not args.run_prefix:
+        print(
+            "warning: this ingest token may write every run (no --run-prefix); give each trainer a token for its "
+            "own runs (--run-prefix team-a) unless one trainer owns the whole service",
+            file=sys.stderr,
+        )
     return {
         "id": issued.token.id,
         "name": issued.token.name,
@@ -265,16 +282,23 @@ def _run_tokens_list(args: argparse.Namespace) -> Any:
 def _run_tokens_revoke(args: argparse.Namespace) -> Any:
     from service.storage import tokens
 
+    settings = service_settings(args)
     with _sessions(args) as sessions, sessions.begin() as session:
+        if tokens.is_last_admin(session, args.id) and not args.force:
+            raise UsageError(
+                f"tokens revoke: token {args.id} is the last unrevoked admin token: without one no one can delete "
+                "runs through the API; create its successor first (collapse-monitor tokens create --scope admin), "
+                "or pass --force"
+            )
         token = tokens.revoke_token(session, args.id)
         if token is None:
             raise UsageError(f"tokens revoke: no token has id {args.id} (see `collapse-monitor tokens list`)")
         document = _token_document(token)
         left = tokens.active_token_count(session)
-    if left == 0:
+    if left == 0 and settings.auth != "off":
         print(
-            "warning: no unrevoked token is left, so writes need no token any more; create the new token "
-            "before revoking the old one",
+            "warning: no unrevoked token is left: writes stay refused (auth keeps needing a token once one was "
+            "issued) until a new token is created with `collapse-monitor tokens create`",
             file=sys.stderr,
         )
     return document
@@ -345,7 +369,8 @@ def _run_serve(args: argparse.Namespace) -> Any:
 
 
 def _check_bind(settings: Any) -> None:
-    """Refuses a non-loopback address while no API token exists, unless the operator said it is fine."""
+    """Refuses a non-loopback address while no API token exists or with auth off, unless the operator said it
+    is fine. Whether a request needs a token is decided again per request (service.access)."""
     import logging
 
     from sqlalchemy.exc import SQLAlchemyError
@@ -355,6 +380,16 @@ def _check_bind(settings: Any) -> None:
     from service.storage.database import make_engine, make_sessions, migrate
 
     if is_loopback(settings.host):
+        return
+    if settings.auth == "off":
+        if not settings.allow_insecure_bind:
+            raise UsageError(
+                f"--host {settings.host} is not a loopback address and auth is off, so anyone who reaches the port "
+                "could write into any run; set auth to auto or on, or pass --allow-insecure-bind on a network you trust"
+            )
+        logging.getLogger("collapse_monitor").warning(
+            "serving %s with auth off (--allow-insecure-bind): anyone who reaches the port can write", settings.host
+        )
         return
     url = settings.resolved_database_url
     try:

@@ -3,11 +3,13 @@
     MonitorError                 every error the service raises on purpose
     ├── ClientError              the request is at fault (4xx); counted by reason
     │   ├── InvalidRequest       400  well-formed but inconsistent (shapes, unknown scorer, paths)
+    │   │   └── UntrustedHost    400  a Host header the service does not answer to (allowed_hosts)
     │   ├── Unauthorized         401  no bearer token where one is needed
     │   │   ├── InvalidToken     401  a token this service never issued
     │   │   └── RevokedToken     401  a token that was revoked
     │   ├── Forbidden            403  a valid token whose scope or run prefix does not allow this
-    │   │   └── RunLimitReached  403  an ingest token that created ``max_runs_per_token`` runs
+    │   │   ├── RunLimitReached  403  an ingest token that created ``max_runs_per_token`` runs
+    │   │   └── ForeignOrigin    403  a state-changing request from a browser page of another origin
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  a batch_id replayed with different content
     │   │   └── RunConflict      409  a run name re-created with different settings
@@ -16,6 +18,7 @@
     │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
     │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
+        ├── ParsingBusy          503  other bodies being parsed hold ``max_parsing_bytes``; retry shortly
         └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
 Any other exception answers 500 ``internal_error`` in the same shape (``service.api.middleware``).
@@ -95,6 +98,17 @@ class RunLimitReached(Forbidden):
         return None
 
 
+class UntrustedHost(InvalidRequest):
+    code = "untrusted_host"
+
+
+class ForeignOrigin(Forbidden):
+    code = "foreign_origin"
+
+    def headers(self) -> dict[str, str] | None:
+        return None
+
+
 class NotFound(ClientError):
     status = 404
     code = "not_found"
@@ -134,6 +148,14 @@ class Unavailable(MonitorError):
     retry_after: int = 5
     status = 503
     code = "queue_full"
+
+
+@dataclass
+class ParsingBusy(Unavailable):
+    """Request bodies being parsed already hold the parsing budget: nothing of this request was kept."""
+
+    retry_after: int = 1
+    code = "parsing_busy"
 
 
 @dataclass

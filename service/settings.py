@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from scoring.config import ScoringConfig
 
 _SCORING = ScoringConfig()  # scoring's defaults; the settings reuse them
+WILDCARD_BINDS = ("0.0.0.0", "::", "")  # every interface: clients reach it under names it cannot know
 
 
 class Settings(BaseSettings):
@@ -102,8 +103,9 @@ class Settings(BaseSettings):
     rate_limit_per_second: float = Field(
         50.0,
         ge=0,
-        description="Requests per second one client (its issued token, else its address) may send to /v1/; beyond it "
-        "429 with Retry-After. 0 turns the limit off.",
+        description="Requests per second one client (its issued token, else its address) may send, on every path but "
+        "/healthz and /readyz (/metrics counts in a bucket of its own); beyond it 429 with Retry-After. 0 turns the "
+        "limit off.",
     )
     rate_limit_burst: int = Field(200, ge=1, description="Requests a client may send at once above that rate.")
     max_queue_depth: int = Field(1000, ge=1, description="Queued batches (all runs) beyond which ingest answers 503.")
@@ -130,8 +132,15 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         32 * 1024 * 1024,
         ge=1024,
-        description="Largest request body accepted; the server holds a body and its parsed form at once (a "
-        "15 MB batch peaked at ~85 MB above an API process's 105 MB).",
+        description="Largest request body accepted; the server holds a body and its parsed form at once (a 27 MB "
+        "batch of token ids peaked at ~7x its size; max_parsing_bytes bounds several at once).",
+    )
+    max_parsing_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Request body bytes parsed at once, all requests together: parsing holds up to ~9x a body's "
+        "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
+        "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
     )
     max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")
     max_turns: int = Field(256, ge=1, description="Turns per trajectory.")
@@ -139,16 +148,37 @@ class Settings(BaseSettings):
     max_token_ids: int = Field(65536, ge=1, description="Token ids per prompt or reasoning.")
     max_matrix_cells: int = Field(4_000_000, ge=1, description="R x N cells of an uploaded matrix.")
 
+    auth: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Whether writes (and deleting runs) need a token. on: always; off: never (open mode, even with "
+        "tokens; `serve` refuses it on a non-loopback host without allow_insecure_bind); auto: on once a token was "
+        "ever issued on this database (revoking every token keeps it on) or when binding a non-loopback host "
+        "without allow_insecure_bind, else open. Decided per request.",
+    )
     require_token_for_reads: bool = Field(
         False,
         description="Reads (/v1 GETs, the web pages' data) need a read or admin token (an ingest token reads its own "
-        "runs). Writes need a token whenever any unrevoked token exists, whatever this says.",
+        "runs). Whether writes need one is the auth setting.",
     )
     require_token_for_metrics: bool = Field(False, description="/metrics needs a read or admin token.")
     allow_insecure_bind: bool = Field(
         False,
-        description="Let `serve` bind a non-loopback address although no API token exists, so that anyone who "
-        "reaches the port can write (a container whose port is published on loopback only, a trusted network).",
+        description="Let `serve` bind a non-loopback address although no API token exists (or with auth off), so "
+        "that, until a token is issued, anyone who reaches the port can write (a container whose port is published "
+        "on loopback only, a trusted network).",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header names the service answers to besides the loopback names and the bound host (a DNS "
+        "name pointed at this machine must be listed, so that a page that rebinds its own name to this address is "
+        "refused, 400 untrusted_host); '*.example.com' covers subdomains, '*' any host. Empty while binding every "
+        "interface (0.0.0.0, ::): any host. /healthz and /readyz answer any host.",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins (scheme://host[:port]) besides the service's own that may send POST, PUT, PATCH "
+        "and DELETE; a request from any other Origin is refused (403 foreign_origin). Requests without an Origin "
+        "header (not sent by a browser) are not affected.",
     )
     token_cache_seconds: float = Field(
         2.0,
@@ -195,6 +225,24 @@ class Settings(BaseSettings):
                 f"default_scorer {self.default_scorer!r} must be one of the named scorers: {', '.join(self.scorers)}"
             )
         return self
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_patterns(cls, value: list[str]) -> list[str]:
+        for pattern in value:
+            if "*" in pattern[1:] or (pattern.startswith("*") and pattern != "*" and not pattern.startswith("*.")):
+                raise ValueError(f"a host pattern is a name, '*.example.com' or '*', got {pattern!r}")
+        return [pattern.lower() for pattern in value]
+
+    @property
+    def trusted_hosts(self) -> list[str]:
+        """Host names the service answers to: loopback, the bound host, ``allowed_hosts`` ('*' binding everything)."""
+        if not self.allowed_hosts and self.host in WILDCARD_BINDS:
+            return ["*"]
+        names = ["localhost", "127.0.0.1", "[::1]", *self.allowed_hosts]
+        if self.host not in WILDCARD_BINDS:
+            names.append(f"[{self.host}]" if ":" in self.host else self.host.lower())
+        return names
 
     @property
     def resolved_database_url(self) -> str:

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.access import TokenCache
 from service.metrics import ServiceMetrics
+from service.rate_limit import BodyBudget
 from service.readiness import DatabaseProbe
 from service.settings import Settings
 
@@ -32,6 +33,7 @@ class AppState:
     metrics: ServiceMetrics
     tokens: TokenCache
     database_probe: DatabaseProbe
+    bodies: BodyBudget  # request bodies being parsed (service.api.deps.AccessFirst)
     pool: ScorerPool | None = None  # only with an embedded worker
     scorer_ready: threading.Event = field(default_factory=threading.Event)
     scorer_error: str | None = None

@@ -70,6 +70,7 @@ def settings_for(tmp_path, monkeypatch):
             "cache_dir": tmp_path / "cache",
             "default_scorer": "tiny-random",
             "worker_poll_seconds": 0.05,
+            "allowed_hosts": ["testserver"],  # the Host header TestClient sends
         } | overrides
         return Settings(_env_file=None, **values)
 

@@ -1,14 +1,19 @@
-"""Dependencies shared by the routers."""
+"""Dependencies shared by the routers, and ``AccessFirst``: the route class of routes that take a body."""
 
 from __future__ import annotations
 
-import codecs
-from typing import Annotated
+import email.message
+import typing
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
 
 from service.access import Access
-from service.errors import InvalidRequest
+from service.api.bodies import ParsedRequest, checked_text, parse_body
 from service.state import AppState
 
 
@@ -19,13 +24,10 @@ def _state(request: Request) -> AppState:
 
 async def _raw_body(request: Request) -> bytes:
     """The body as sent, which ingest stores; it must be UTF-8 JSON (RFC 8259), without a byte order mark."""
+    if isinstance(request, ParsedRequest):  # checked while it was parsed
+        return request.raw
     raw = await request.body()
-    if raw.startswith(codecs.BOM_UTF8):
-        raise InvalidRequest("the body starts with a UTF-8 byte order mark; send the JSON without it", field="body")
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InvalidRequest(f"the body must be UTF-8 JSON; byte {e.start} is not UTF-8", field="body") from e
+    checked_text(raw)
     return raw
 
 
@@ -73,3 +75,73 @@ WritesSomeRun = Depends(_write_some_run)  # the run's name is in the body; the h
 ReadsRun = Depends(_read_run)
 ReadsAll = Depends(_read_all)
 ReadsNoRunData = Depends(_read_no_run_data)
+# The checks a body route may declare, each called with the Access and the path parameters it names.
+HEADER_CHECKS: tuple[Callable[..., None], ...] = (_write_run, _write_some_run, _read_run, _read_all, _read_no_run_data)
+
+
+class AccessFirst(APIRoute):
+    """A route whose body is read only once its access check passed on the headers, and parsed off the loop.
+
+    FastAPI itself reads and parses a declared body on the event loop before it solves any
+    dependency (service.api.bodies says why that matters). A route with a body must declare one
+    of ``HEADER_CHECKS`` in ``dependencies``; FastAPI solves it again afterwards, from the token
+    cache. Routes without a body are FastAPI's own.
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        model = _body_model(self.endpoint)
+        if model is None:
+            return handler
+        checks = [_with_path_names(d.dependency) for d in self.dependencies if d.dependency in HEADER_CHECKS]
+        if not checks:
+            raise TypeError(f"{self.path}: a route with a body must declare its access check in dependencies")
+
+        async def access_then_body(request: Request) -> Response:
+            await run_in_threadpool(_run_checks, checks, _access(request), request.path_params)
+            if not _is_json(request):
+                return await handler(request)  # FastAPI refuses it without parsing it, as it always has
+            raw = await request.body()
+            if not raw:
+                return await handler(request)  # a missing body: FastAPI's 422
+            # Held until the answer is built: the parsed model lives as long as the handler runs.
+            async with _state(request).bodies.hold(len(raw)):
+                parsed = await run_in_threadpool(parse_body, raw, model)
+                return await handler(ParsedRequest(request, raw, parsed))
+
+        return access_then_body
+
+
+HeaderCheck = tuple[Callable[..., None], tuple[str, ...]]  # an access check and the path parameters it takes
+
+
+def _with_path_names(check: Callable[..., None]) -> HeaderCheck:
+    return check, tuple(name for name in typing.get_type_hints(check) if name not in ("access", "return"))
+
+
+def _run_checks(checks: list[HeaderCheck], access: Access, path: Mapping[str, Any]) -> None:
+    for check, names in checks:
+        check(access, **{name: path[name] for name in names})
+
+
+def _body_model(endpoint: Callable[..., Any]) -> type[BaseModel] | None:
+    """The endpoint's body: its one parameter typed as a pydantic model (Annotated or not)."""
+    found = []
+    for name, hint in typing.get_type_hints(endpoint, include_extras=True).items():
+        kind = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+        if name != "return" and isinstance(kind, type) and issubclass(kind, BaseModel):
+            found.append(kind)
+    if len(found) > 1:
+        raise TypeError(f"{endpoint.__name__}: one body model per route, got {found}")
+    return found[0] if found else None
+
+
+def _is_json(request: Request) -> bool:
+    """Whether FastAPI reads the body as JSON: a JSON content type (``application/json``, ``*+json``)."""
+    content_type = request.headers.get("content-type")
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.errors import InvalidRequest, MonitorError, TooLarge, TooManyRequests
+from service.errors import ForeignOrigin, InvalidRequest, MonitorError, TooLarge, TooManyRequests, UntrustedHost
 from service.rate_limit import TokenBuckets
 
 log = logging.getLogger("collapse_monitor.api")
@@ -57,8 +57,21 @@ class AnswerErrors:
             await JSONResponse(MonitorError(detail).body(), status_code=500)(scope, _drain, send)
 
 
+# HTTP methods counted under their own name; any other (a client may send any token as a method)
+# counts as OTHER, so that made-up methods cannot add series to /metrics.
+COUNTED_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in COUNTED_METHODS else "OTHER"
+
+
 class CountRequests:
-    """Counts answered requests by method, route template and status (plain ASGI: no body copies)."""
+    """Counts answered requests by method, route template and status (plain ASGI: no body copies).
+
+    Every label is bounded: methods outside ``COUNTED_METHODS`` are OTHER, paths are route
+    templates (an unmatched path is ``unmatched``), statuses are HTTP's.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -81,7 +94,7 @@ class CountRequests:
             state = getattr(getattr(scope.get("app"), "state", None), "monitor", None)
             if state is not None:
                 template = getattr(scope.get("route"), "path", "unmatched")
-                state.metrics.requests.labels(scope["method"], template, status).inc()
+                state.metrics.requests.labels(method_label(scope["method"]), template, status).inc()
 
 
 class NoNulInUrl:
@@ -157,12 +170,21 @@ async def _drain() -> MutableMapping[str, Any]:
     return {"type": "http.disconnect"}
 
 
+# Probes are never limited: they cost nothing (/readyz checks the database one probe at a time),
+# and an orchestrator takes a refused probe for a dead service and restarts it, so the flood wins.
+UNLIMITED_PATHS = frozenset({"/healthz", "/readyz"})
+# Prometheus scrapes draw on a bucket of their own per client: a busy trainer on the scraper's
+# host cannot make a scrape fail, and a flood of /metrics is still refused like any other flood.
+SCRAPE_PATH = "/metrics"
+
+
 class RateLimit:
-    """429 + Retry-After for a client over ``rate`` requests per second (bursts up to ``burst``).
+    """429 + Retry-After for a client over ``rate`` requests per second (bursts up to ``burst``), on every path.
 
     A client is its bearer token once that token is known as one this service issued, else its
     address: made-up tokens share their sender's bucket, so they cannot buy a fresh burst each.
-    Only the API is limited: health checks, Prometheus scrapes and the pages' static files are not.
+    Every path counts (unmatched ones, pages and static files too) except ``UNLIMITED_PATHS``;
+    ``/metrics`` counts in a bucket of its own per client.
     """
 
     def __init__(self, app: ASGIApp, rate: float, burst: int) -> None:
@@ -170,8 +192,11 @@ class RateLimit:
         self.buckets = TokenBuckets(rate, burst)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            wait = self.buckets.take(_client(scope), time.monotonic())
+        if scope["type"] == "http" and scope["path"] not in UNLIMITED_PATHS:
+            key = _client(scope)
+            if scope["path"] == SCRAPE_PATH:
+                key = "scrape:" + key
+            wait = self.buckets.take(key, time.monotonic())
             if wait > 0:
                 error = TooManyRequests(
                     f"this client sent more than {self.buckets.rate:g} requests per second "
@@ -191,3 +216,143 @@ def _client(scope: Scope) -> str:
         return "token:" + hashlib.sha256(secret.strip().encode()).hexdigest()[:16]
     client = scope.get("client")
     return f"address:{client[0] if client else 'unknown'}"
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = dict(scope.get("headers", [])).get(name)
+    return value.decode("latin-1") if value is not None else None
+
+
+def split_host(host: str) -> tuple[str, str | None]:
+    """A Host header (or an origin's host) as name and port: ``[::1]:8000`` -> ``("[::1]", "8000")``."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        end = host.find("]") + 1
+        return (host[:end], host[end + 1 :] or None) if end else (host, None)
+    name, colon, port = host.partition(":")
+    return (name, port or None) if colon and ":" not in port else (host, None)
+
+
+def host_name(host: str) -> str:
+    """The name of a Host header (``[::1]:8000`` -> ``[::1]``, ``Example.org:80`` -> ``example.org``)."""
+    return split_host(host)[0]
+
+
+# Probes answer any Host: they reveal nothing, and an orchestrator probes by address.
+HOST_FREE_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+class TrustedHosts:
+    """Refuses a Host header the service does not answer to (400 untrusted_host), as Starlette's
+    TrustedHostMiddleware does, in the documented error shape and counted.
+
+    A page on another origin that rebinds its DNS name to this machine's address reaches the
+    service under its own name: refused here, before any read or write. Patterns: a name,
+    ``*.example.com`` (its subdomains) or ``*`` (any).
+    """
+
+    def __init__(self, app: ASGIApp, allowed: list[str]) -> None:
+        self.app = app
+        self.exact = {p for p in allowed if not p.startswith("*")}
+        self.suffixes = tuple(p[1:] for p in allowed if p.startswith("*."))
+        self.allow_any = "*" in allowed
+
+    def allows(self, host: str) -> bool:
+        name = host_name(host)
+        return self.allow_any or name in self.exact or name.endswith(self.suffixes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self.allow_any and scope["path"] not in HOST_FREE_PATHS:
+            host = _header(scope, b"host") or ""
+            if not self.allows(host):
+                error = UntrustedHost(
+                    f"this service does not answer to the host {host_name(host)[:200]!r}; an operator lists the "
+                    "names clients use in allowed_hosts",
+                    field="Host",
+                )
+                await refuse(scope, send, error)
+                return
+        await self.app(scope, receive, send)
+
+
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def is_same_origin(origin: str, host: str) -> bool:
+    """Whether a page of ``origin`` (``scheme://host[:port]``) sent a request to the ``host`` it names.
+
+    A port left out is its scheme's default on both sides: behind a TLS proxy, the page of
+    ``https://monitor.example.org`` sends ``Host: monitor.example.org``.
+    """
+    scheme, sep, rest = origin.strip().lower().partition("://")
+    if not sep or scheme not in DEFAULT_PORTS or not rest or "/" in rest:
+        return False  # "null" (sandboxed frames, files) and anything unreadable
+    (origin_name, origin_port), (host_name_, host_port) = split_host(rest), split_host(host)
+    default = DEFAULT_PORTS[scheme]
+    return origin_name == host_name_ and (origin_port or default) == (host_port or default)
+
+
+class SameOrigin:
+    """Refuses POST, PUT, PATCH and DELETE sent by a browser page of another origin (403 foreign_origin).
+
+    Browsers send ``Origin`` with every such request; a page of another site (or of a rebound
+    name) that tries to write or delete through a visitor's browser is refused, whatever the
+    access mode. Same origin: ``is_same_origin``; ``allowed_origins`` adds others. No Origin
+    header: not a browser, not refused here.
+    """
+
+    def __init__(self, app: ASGIApp, allowed_origins: list[str]) -> None:
+        self.app = app
+        self.allowed = {o.strip().lower().rstrip("/") for o in allowed_origins}
+
+    def allows(self, origin: str, host: str) -> bool:
+        return origin.strip().lower().rstrip("/") in self.allowed or is_same_origin(origin, host)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] in STATE_CHANGING:
+            origin = _header(scope, b"origin")
+            if origin is not None and not self.allows(origin, _header(scope, b"host") or ""):
+                error = ForeignOrigin(
+                    f"{scope['method']} from a page of another origin ({origin[:200]!r}) is refused; an operator "
+                    "lists the origins allowed to write in allowed_origins"
+                )
+                await refuse(scope, send, error)
+                return
+        await self.app(scope, receive, send)
+
+
+# The pages load only their own scripts and styles (no inline script, no CDN); style attributes
+# are allowed because the pages and their chart library position elements with them.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; style-src-attr 'unsafe-inline'; "
+    "img-src 'self' data:; connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; "
+    "form-action 'self'; frame-ancestors 'none'"
+)
+SECURITY_HEADERS = [
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+    (b"x-frame-options", b"DENY"),  # frame-ancestors for browsers that predate it
+]
+
+
+class SecurityHeaders:
+    """Adds the browser-facing headers to every answer: the pages' CSP (no framing), nosniff, no referrer."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                present = {name.lower() for name, _ in message.get("headers", [])}
+                extra = [(name, value) for name, value in SECURITY_HEADERS if name not in present]
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        await self.app(scope, receive, with_headers)

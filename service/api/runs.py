@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Body, Query, Response, status
 
 from service import ingest, runs
-from service.api.deps import Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
+from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
 from service.schemas import (
     INT32_MAX,
     BatchAccepted,
@@ -27,7 +27,8 @@ from service.schemas import (
 from service.storage import queries
 from service.storage.tables import iso_time
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+# AccessFirst: the body routes check access on the headers, then parse the body off the event loop.
+router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=AccessFirst)
 
 BATCH_EXAMPLE = {
     "step": 12,

@@ -9,12 +9,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from scoring.snr_filter import filter_groups
-from service.api.deps import Caller, ReadsNoRunData, State
+from service.api.deps import AccessFirst, Caller, ReadsNoRunData, State
 from service.metrics import EXPORTED, NAMESPACE
 from service.schemas import CatalogueEntry, CatalogueResponse, FilterRequest, FilterResponse
 from service.state import AppState
 
-router = APIRouter()
+router = APIRouter(route_class=AccessFirst)  # POST /v1/filter: access on the headers, then the body
 
 
 @router.get("/healthz", tags=["system"])

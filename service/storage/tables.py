@@ -270,3 +270,15 @@ class ApiToken(Base):
     hint: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to recognise it in a list
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column()
+
+
+ACCESS_STATE_ID = 1  # access_state holds one row
+
+
+class AccessState(Base):
+    """Facts about access that outlive the tokens: its one row says tokens were issued on this database."""
+
+    __tablename__ = "access_state"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tokens_issued_at: Mapped[datetime] = mapped_column(default=utcnow)  # when the first token was issued

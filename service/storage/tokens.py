@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sqlalchemy import func, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from service.storage.tables import ApiToken, Run, utcnow
+from service.storage.tables import ACCESS_STATE_ID, AccessState, ApiToken, Run, utcnow
 
 
 def add_token(session: Session, scope: str, run_prefix: str, name: str | None, digest: str, hint: str) -> ApiToken:
@@ -46,3 +47,31 @@ def runs_created_by(session: Session, token_id: int, *, lock: bool = False) -> i
     if lock and session.get_bind().dialect.name == "postgresql":
         session.execute(select(ApiToken.id).where(ApiToken.id == token_id).with_for_update())
     return int(session.scalar(select(func.count()).select_from(Run).where(Run.created_by_token == token_id)) or 0)
+
+
+def is_last_admin(session: Session, token_id: int) -> bool:
+    """Whether the token is the only unrevoked admin token (revoking it leaves no one who may delete runs)."""
+    token = session.get(ApiToken, token_id)
+    if token is None or token.scope != "admin" or token.revoked_at is not None:
+        return False
+    admins = select(func.count()).select_from(ApiToken).where(ApiToken.revoked_at.is_(None), ApiToken.scope == "admin")
+    return int(session.scalar(admins) or 0) == 1
+
+
+def record_tokens_issued(session: Session) -> None:
+    """Keeps, for good, that this database issues tokens (``auth: auto`` then needs one for every write).
+
+    One row, written with the first token; kept apart from ``api_tokens`` so that revoking or
+    deleting every token does not reopen writes.
+    """
+    if session.get(AccessState, ACCESS_STATE_ID) is None:
+        dialect = session.get_bind().dialect.name
+        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        # Concurrent first tokens: the second insert does nothing rather than fail.
+        session.execute(insert(AccessState).values(id=ACCESS_STATE_ID).on_conflict_do_nothing())
+
+
+def tokens_were_issued(session: Session) -> bool:
+    """Whether any token was ever issued here (the kept fact, or a token row from before it was kept)."""
+    recorded = session.scalar(select(AccessState.id).where(AccessState.id == ACCESS_STATE_ID))
+    return recorded is not None or session.scalar(select(ApiToken.id).limit(1)) is not None

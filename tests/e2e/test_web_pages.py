@@ -209,6 +209,16 @@ def test_a_batch_posted_while_the_page_is_open_appears_without_a_reload(browser,
     page.close()
 
 
+def test_the_api_page_renders_every_operation_from_the_vendored_swagger_ui_under_the_csp(browser, server):
+    page, console = open_page(browser, f"{server}/docs")
+    page.wait_for_selector(".opblock", timeout=30_000)
+    operations = httpx.get(f"{server}/openapi.json").json()["paths"]
+    assert page.locator(".opblock").count() == sum(len(methods) for methods in operations.values())
+    assert page.locator(".opblock-summary-path", has_text="/v1/runs/{run}/batches").count() >= 1
+    assert console.errors == []  # a CSP refusal (inline script or style, another origin) is a console error
+    page.close()
+
+
 @pytest.mark.usefixtures("runs")
 def test_compare_overlays_one_metric_of_several_runs(browser, server):
     page, console = open_page(browser, f"{server}/compare?runs=steady,collapsing&metric=mi_estimate")

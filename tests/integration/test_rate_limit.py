@@ -47,3 +47,27 @@ def test_each_issued_token_is_a_client_of_its_own(tmp_path, client_for):
     assert client.get("/v1/runs", headers={"authorization": f"Bearer {second}"}).status_code == 200
     assert client.get("/v1/runs", headers={"authorization": f"Bearer {second}"}).status_code == 200
     assert client.get("/v1/runs").status_code == 429  # the address spent its burst on the two first requests
+
+
+def test_every_path_is_limited_but_probes_and_scrapes_have_room_of_their_own(tmp_path, client_for):
+    client = client_for(
+        f"sqlite:///{tmp_path / 'm.db'}", scoring_paused=True, rate_limit_per_second=0.5, rate_limit_burst=3
+    )
+    assert [client.get(p).status_code for p in ("/nope", "/", "/static/style.css")] == [404, 200, 200]
+    for path in ("/nope", "/", "/static/style.css", "/v1/runs", "/docs"):
+        assert client.get(path).status_code == 429, path
+    assert {client.get(p).status_code for p in ("/healthz", "/readyz") for _ in range(20)} == {200}
+    assert [client.get("/metrics").status_code for _ in range(4)] == [200, 200, 200, 429]  # its own bucket
+
+
+def test_made_up_methods_count_as_other_and_add_no_series(tmp_path, client_for):
+    """Issue 17: 500 requests with made-up methods grew /metrics from 13 KB to 108 KB (the method was a label)."""
+    client = client_for(f"sqlite:///{tmp_path / 'm.db'}", scoring_paused=True, rate_limit_per_second=0)
+    client.request("X00000", "/nope")
+    before = client.get("/metrics").text
+    for i in range(1, 501):
+        assert client.request(f"X{i:05d}", "/nope").status_code == 404
+    after = client.get("/metrics").text
+    assert "X00" not in after
+    assert 'collapse_monitor_requests_total{method="OTHER",route="unmatched",status="404"} 501.0' in after
+    assert len(after) < len(before) + 200  # the same series, larger counts

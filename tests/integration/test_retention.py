@@ -10,6 +10,7 @@ from sqlalchemy import create_engine, func, select, update
 
 from service.access import issue_token
 from service.storage.tables import (
+    AccessState,
     Alert,
     AlertDelivery,
     ApiToken,
@@ -30,12 +31,12 @@ pytestmark = pytest.mark.integration
 
 # Five healthy steps, then three without input dependence: TemplateCollapse fires (as tests/docker).
 DEPENDENCE = [1.5] * 5 + [0.0] * 3
-# Every table that holds rows of a run (ScorerLimits and ApiToken belong to no run).
+# Every table that holds rows of a run (ScorerLimits, ApiToken and AccessState belong to no run).
 OWNED = (Run, Batch, MetricPoint, LatestMetric, EmaRecord, Alert, AlertDelivery, ScoreMatrix, Checkpoint)
 
 
 def test_every_table_is_either_owned_by_a_run_or_listed_as_shared():
-    shared = {"scorer_limits", ApiToken.__tablename__}
+    shared = {"scorer_limits", ApiToken.__tablename__, AccessState.__tablename__}
     assert set(Base.metadata.tables) == {t.__tablename__ for t in OWNED} | shared
 
 

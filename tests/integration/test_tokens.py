@@ -6,11 +6,12 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, func, select, text
 
 from service.access import issue_token
 from service.storage import tokens
-from service.storage.tables import Run
+from service.storage.database import make_sessions, migrate
+from service.storage.tables import ApiToken, Run, utcnow
 from tests.fixtures import dependence_matrix, trajectories
 
 pytestmark = pytest.mark.integration
@@ -165,7 +166,7 @@ def test_reads_and_metrics_need_a_token_only_when_the_settings_say_so(database_u
     assert refused.status_code == 403
     assert refused.json()["detail"] == (
         "this ingest token may not read every run; reads need a read or admin token "
-        "(an ingest token reads the runs starting with its prefix 'team-a-')"
+        "(an ingest token reads the runs whose name starts with 'team-a-')"
     )
     assert client.get("/v1/runs/team-b-1/matrix", headers=bearer(ingest)).status_code == 403
     assert client.get(f"/v1/batches/{batch['batch_id']}", headers=bearer(ingest)).status_code == 403
@@ -199,4 +200,101 @@ def test_an_ingest_token_creates_at_most_max_runs_per_token_runs(database_url, c
     with engine.connect() as connection:
         created = connection.execute(select(func.count()).select_from(Run).where(Run.created_by_token.is_not(None)))
         assert created.scalar_one() == 3
+    engine.dispose()
+
+
+def revoke_all(client) -> None:
+    with client.app.state.monitor.sessions.begin() as session:
+        for token in tokens.list_tokens(session):
+            tokens.revoke_token(session, token.id)
+
+
+def test_revoking_every_token_keeps_anonymous_writes_and_deletes_refused(database_url, client_for):
+    """Issue 17: with every token revoked, anonymous batches were accepted (202) and runs deleted (204)."""
+    client = client_for(database_url, scoring_paused=True, token_cache_seconds=0)
+    admin = issue(client, "admin")
+    assert client.post("/v1/runs", json={"name": "r"}, headers=bearer(admin)).status_code == 201
+    revoke_all(client)
+    batch = client.post("/v1/runs/r/batches", json={"step": 1, "trajectories": trajectories()})
+    assert (batch.status_code, batch.json()["error"]) == (401, "unauthorized")
+    assert client.delete("/v1/runs/r").status_code == 401
+    assert client.post("/v1/runs", json={"name": "s"}).status_code == 401
+    assert (
+        client.post(
+            "/v1/runs/r/batches", json={"step": 1, "trajectories": trajectories()}, headers=bearer(admin)
+        ).json()["error"]
+        == "revoked_token"
+    )
+    with client.app.state.monitor.sessions.begin() as session:  # an empty token table, as after a partial restore
+        session.query(ApiToken).delete()
+    assert client.delete("/v1/runs/r").status_code == 401
+    assert runs_in(database_url) == ["r"]
+
+
+def test_a_server_started_before_any_token_closes_writes_once_one_is_issued(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, token_cache_seconds=0)
+    assert client.post("/v1/runs", json={"name": "open"}).status_code == 201  # open mode on loopback
+    admin = issue(client, "admin")  # as `collapse-monitor tokens create` would, from another process
+    assert client.post("/v1/runs", json={"name": "closed"}).status_code == 401
+    assert client.post("/v1/runs", json={"name": "closed"}, headers=bearer(admin)).status_code == 201
+
+
+def test_auth_on_needs_a_token_before_any_exists_and_off_never_does(database_url, client_for):
+    closed = client_for(database_url, scoring_paused=True, auth="on")
+    assert closed.post("/v1/runs", json={"name": "r"}).status_code == 401
+    assert closed.get("/v1/runs").status_code == 200  # reads follow require_token_for_reads
+    admin = issue(closed, "admin")
+    assert closed.post("/v1/runs", json={"name": "r"}, headers=bearer(admin)).status_code == 201
+    open_mode = client_for(database_url, scoring_paused=True, auth="off")
+    assert open_mode.post("/v1/runs/r/matrices", json=dependence_matrix(1, 1.0)).status_code == 201
+    assert open_mode.delete("/v1/runs/r").status_code == 204
+
+
+def test_a_non_loopback_host_needs_tokens_for_writes_unless_insecure_binding_was_allowed(database_url, client_for):
+    exposed = client_for(database_url, scoring_paused=True, host="0.0.0.0")
+    assert exposed.post("/v1/runs", json={"name": "r"}).status_code == 401
+    trusted = client_for(database_url, scoring_paused=True, host="0.0.0.0", allow_insecure_bind=True)
+    assert trusted.post("/v1/runs", json={"name": "r"}).status_code == 201
+
+
+def test_an_ingest_token_for_team_a_covers_team_a_runs_and_not_team_admin(database_url, client_for):
+    """Issue 17: a token created with --run-prefix team-a created run team-admin-x (a raw startswith)."""
+    client = client_for(database_url, scoring_paused=True, token_cache_seconds=0, require_token_for_reads=True)
+    ingest = issue(client, "ingest", "team-a")
+    for name in ("team-a", "team-a-grpo", "team-a_ppo"):
+        assert client.post("/v1/runs", json={"name": name}, headers=bearer(ingest)).status_code == 201, name
+    refused = client.post("/v1/runs", json={"name": "team-admin-x"}, headers=bearer(ingest))
+    assert refused.status_code == 403
+    assert refused.json() == {
+        "error": "insufficient_scope",
+        "detail": "this ingest token may write runs named 'team-a' or starting with 'team-a' and a separator "
+        "(- _ . / :), not 'team-admin-x'",
+        "field": "name",
+        "index": None,
+    }
+    admin = issue(client, "admin")
+    assert client.post("/v1/runs", json={"name": "team-admin-x"}, headers=bearer(admin)).status_code == 201
+    matrix = client.post("/v1/runs/team-admin-x/matrices", json=dependence_matrix(1, 1.0), headers=bearer(ingest))
+    assert (matrix.status_code, matrix.json()["field"]) == (403, "run")
+    assert client.get("/v1/runs/team-admin-x", headers=bearer(ingest)).status_code == 403
+    assert client.get("/v1/runs/team-a-grpo", headers=bearer(ingest)).status_code == 200
+    assert client.get("/v1/overview?runs=team-a,team-admin-x", headers=bearer(ingest)).status_code == 403
+
+
+def test_a_database_that_held_tokens_before_the_kept_fact_existed_keeps_writes_closed(database_url):
+    migrate(database_url, "0008")
+    engine = create_engine(database_url)
+    with engine.begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO api_tokens (scope, run_prefix, secret_sha256, hint, created_at, revoked_at) "
+                "VALUES ('admin', '', 'x', 'cm_x', :t, :t)"
+            ),
+            {"t": utcnow()},
+        )
+    migrate(database_url)
+    with engine.begin() as connection:
+        connection.execute(text("DELETE FROM api_tokens"))
+    with make_sessions(engine)() as session:
+        assert tokens.tokens_were_issued(session)
     engine.dispose()

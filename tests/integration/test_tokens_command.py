@@ -64,9 +64,14 @@ def test_tokens_are_created_once_listed_without_secrets_and_revoked(database_url
     code, revoked, err = cli("tokens", "revoke", "1", "--database-url", database_url)
     assert (code, revoked["id"], err) == (0, 1, "")
     assert revoked["revoked_at"] is not None
-    code, _, err = cli("tokens", "revoke", "2", "--database-url", database_url)
+    assert cli("tokens", "revoke", "2", "--database-url", database_url)[::2] == (
+        2,
+        "error: tokens revoke: token 2 is the last unrevoked admin token: without one no one can delete runs through "
+        "the API; create its successor first (collapse-monitor tokens create --scope admin), or pass --force\n",
+    )
+    code, _, err = cli("tokens", "revoke", "2", "--force", "--database-url", database_url)
     assert code == 0
-    assert err.startswith("warning: no unrevoked token is left, so writes need no token any more")
+    assert err.startswith("warning: no unrevoked token is left: writes stay refused")
     assert cli("tokens", "revoke", "7", "--database-url", database_url)[::2] == (
         2,
         "error: tokens revoke: no token has id 7 (see `collapse-monitor tokens list`)\n",
@@ -82,6 +87,28 @@ def test_bad_token_arguments_exit_2_with_one_line(tmp_path, cli):
     code, _, err = cli("tokens", "create", "--scope", "root", "--database-url", url)
     assert code == 2
     assert "argument --scope: invalid choice: 'root'" in err
+    assert cli("tokens", "create", "--scope", "ingest", "--run-prefix", "team a", "--database-url", url)[::2] == (
+        2,
+        "error: --run-prefix: a run prefix is the start of run names: a letter or digit, then letters, digits, '.', "
+        "'_' or '-' (at most 128 characters), got 'team a'\n",
+    )
+
+
+def test_an_ingest_token_for_every_run_is_created_with_a_warning(tmp_path, cli):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    code, created, err = cli("tokens", "create", "--scope", "ingest", "--database-url", url)
+    assert (code, created["run_prefix"]) == (0, "")
+    assert "warning: this ingest token may write every run (no --run-prefix)" in err
+    assert "warning" not in cli("tokens", "create", "--scope", "admin", "--database-url", url)[2]
+
+
+def test_revoking_an_admin_token_that_has_a_successor_needs_no_force(tmp_path, cli):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    for _ in range(2):
+        cli("tokens", "create", "--scope", "admin", "--database-url", url)
+    assert cli("tokens", "revoke", "1", "--database-url", url)[0] == 0
+    assert cli("tokens", "revoke", "1", "--database-url", url)[0] == 0  # already revoked: not the last admin
+    assert cli("tokens", "revoke", "2", "--database-url", url)[0] == 2
 
 
 def backdate(url: str, steps: tuple[int, ...], days: float) -> None:

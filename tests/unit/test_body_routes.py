@@ -1,0 +1,75 @@
+"""Body parsing as the body routes do it: FastAPI's own refusals, shared numbers, and routes that must check access."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import APIRouter
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from service.api.bodies import MAX_SHARED_INTS, parse_body, shared_ints
+from service.api.deps import AccessFirst, WritesRun
+from service.errors import InvalidRequest
+from service.schemas import BatchIn
+
+
+class Ids(BaseModel):
+    ids: list[int]
+
+
+def test_numbers_are_shared_by_value_and_the_values_are_json_s():
+    body = json.dumps({"ids": [70_000, 70_000, 123_456, 70_000, -5, 0]}).encode()
+    parsed = parse_body(body, Ids)
+    assert parsed.ids == json.loads(body)["ids"]
+    assert parsed.ids[0] is parsed.ids[1] is parsed.ids[3]  # one int object per distinct number
+
+
+def test_at_most_max_shared_ints_are_kept():
+    parse = shared_ints()
+    values = [parse(str(n)) for n in range(MAX_SHARED_INTS + 10)]
+    assert values == list(range(MAX_SHARED_INTS + 10))
+    assert parse("300") is values[300]  # kept: the same object
+    assert parse(str(MAX_SHARED_INTS + 5)) is not values[MAX_SHARED_INTS + 5]  # past the cap: parsed anew
+
+
+def test_refusals_are_fastapis_own_under_body():
+    with pytest.raises(RequestValidationError) as invalid_json:
+        parse_body(b'{"step": 1,', BatchIn)
+    assert invalid_json.value.errors() == [
+        {
+            "type": "json_invalid",
+            "loc": ("body", 11),
+            "msg": "JSON decode error",
+            "input": {},
+            "ctx": {"error": "Expecting property name enclosed in double quotes"},
+        }
+    ]
+    with pytest.raises(RequestValidationError) as invalid:
+        parse_body(b'{"step": -1, "trajectories": []}', BatchIn)
+    assert [e["loc"] for e in invalid.value.errors()] == [("body", "step"), ("body", "trajectories")]
+    with pytest.raises(HTTPException, match="There was an error parsing the body"):
+        parse_body(b"[" * 100_000, BatchIn)
+    with pytest.raises(InvalidRequest, match="byte order mark"):
+        parse_body(b"\xef\xbb\xbf{}", BatchIn)
+    with pytest.raises(InvalidRequest, match="byte 9 is not UTF-8"):
+        parse_body(b'{"step": \xff}', BatchIn)
+
+
+def test_a_body_route_without_an_access_check_is_refused_when_declared():
+    router = APIRouter(route_class=AccessFirst)
+    with pytest.raises(TypeError, match="a route with a body must declare its access check"):
+
+        @router.post("/v1/runs/{run}/things")
+        def unguarded(run: str, body: Ids) -> None:  # pragma: no cover - never registered
+            pass
+
+    @router.post("/v1/runs/{run}/things", dependencies=[WritesRun])
+    def guarded(run: str, body: Ids) -> None:  # pragma: no cover - only declared
+        pass
+
+    @router.get("/v1/runs/{run}/things")
+    def no_body(run: str) -> None:  # pragma: no cover - only declared
+        pass
