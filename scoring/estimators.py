@@ -343,6 +343,7 @@ def cusum(
     drop: float,
     se_floor: float,
     tau2: float = 0.0,
+    start: float = 0.0,
 ) -> list[float]:
     """One-sided CUSUM statistics S_t of a downward shift of ``drop`` from ``baseline`` (module docstring).
 
@@ -353,8 +354,9 @@ def cusum(
         baseline: the in-control level b.
         drop: the designed shift d (> 0); steps below b - d/2 push S up.
         tau2: between-step variance added to each se^2 (``between_step_variance``).
+        start: S before the first value (0: a fresh statistic; the last S to go on from there).
     """
-    out, s = [], 0.0
+    out, s = [], start
     for value, error in zip(values, errors, strict=True):
         s = max(0.0, s + (baseline - drop / 2 - value) / max(math.sqrt(error**2 + tau2), se_floor))
         out.append(s)
