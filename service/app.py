@@ -26,7 +26,7 @@ from service.api import alerts, batches, matrices, overview, pages, runs, system
 from service.api.middleware import AnswerErrors, BodyLimit, BodyTooLarge, CountRequests, NoNulInUrl, RateLimit
 from service.background import start_in_thread
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
-from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
 from service.readiness import DatabaseProbe
 from service.retention import Purger
 from service.settings import Settings
@@ -38,6 +38,7 @@ log = logging.getLogger("collapse_monitor")
 
 
 def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
+    """What /metrics exports, read in one session (``SnapshotCache`` keeps it for metrics_cache_seconds)."""
     with sessions() as session:
         return MetricsSnapshot(
             latest=list(queries.latest_values(session)),
@@ -47,6 +48,12 @@ def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
             alerts=queries.active_alerts(session),
             deliveries=queries.delivery_counts(session),
         )
+
+
+def snapshot_outage(error: BaseException) -> str | None:
+    """One log line for a snapshot read that failed because the database is away; None for anything else."""
+    reason = outage(error)
+    return f"database {reason}: {first_line(getattr(error, 'orig', None) or error)}" if reason else None
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -67,7 +74,8 @@ def create_app(settings: Settings) -> FastAPI:
             tokens=TokenCache(sessions, settings.token_cache_seconds),
             database_probe=DatabaseProbe(engine, url),
         )
-        registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
+        snapshot = SnapshotCache(lambda: read_snapshot(sessions), settings.metrics_cache_seconds)
+        registry.register(DiagnosticsCollector(snapshot, settings.max_exported_series, snapshot_outage))
         app.state.monitor = state
         threads = []
         if settings.embedded_worker and not settings.scoring_paused:

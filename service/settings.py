@@ -99,6 +99,12 @@ class Settings(BaseSettings):
         description="Diagnostic series one /metrics scrape exports at most (whole runs, the most recently updated "
         "first); the rest is counted in collapse_monitor_series_dropped.",
     )
+    metrics_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="How long one /metrics snapshot (aggregates over whole tables) is served before the database is "
+        "read again; concurrent scrapes share one read. Prometheus scrapes every 15 s. 0 reads at every scrape.",
+    )
     rate_limit_per_second: float = Field(
         50.0,
         ge=0,

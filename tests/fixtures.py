@@ -70,6 +70,7 @@ def settings_for(tmp_path, monkeypatch):
             "cache_dir": tmp_path / "cache",
             "default_scorer": "tiny-random",
             "worker_poll_seconds": 0.05,
+            "metrics_cache_seconds": 0,  # tests read /metrics right after writing; its cache has tests of its own
         } | overrides
         return Settings(_env_file=None, **values)
 
