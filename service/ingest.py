@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction
-from service.errors import Conflict, InvalidRequest, RunQueueFull, TooLarge, Unavailable
+from service.errors import Conflict, InvalidRequest, NotFound, RunQueueFull, TooLarge, Unavailable
 from service.reasoning import ingest_warnings
 from service.recording import ALL, ScoredBatch, load_emas, record_step
 from service.reward_figures import grouped_reward_figures
@@ -278,6 +278,11 @@ def ingest_matrix(
     for _ in range(MATRIX_ATTEMPTS):
         scored = score_matrix(payload, ema, run.filter)
         with sessions.begin() as session:
+            if require_run(session, run_name).id != run.id:  # 404 if it was deleted while the matrix was scored
+                raise NotFound(
+                    f"run {run_name!r} was deleted and created again while this matrix was scored; send it again",
+                    field="run",
+                )
             segment = queries.advance_segment(session, run.id, payload.step, scored_now=True)
             replay = _matrix_replay(session, run.id, payload, raw, digest)
             current = _ema_of(session, run.id, payload.sampler)
