@@ -51,6 +51,15 @@ def served(settings: dict[str, str], ready_seconds: float = 180) -> Iterator[str
     ``settings`` are ``COLLAPSE_MONITOR_*`` variables without the prefix (``{"DATABASE_URL": ...}``);
     the caller's own ``COLLAPSE_MONITOR_*`` variables are dropped, so a benchmark measures what it says.
     """
+    with served_process(settings, ready_seconds) as (base, _):
+        yield base
+
+
+@contextmanager
+def served_process(
+    settings: dict[str, str], ready_seconds: float = 180
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``served``, also yielding the server's process (its pid, for /proc/<pid>/status)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
     env |= {f"COLLAPSE_MONITOR_{name}": value for name, value in settings.items()}
@@ -67,7 +76,7 @@ def served(settings: dict[str, str], ready_seconds: float = 180) -> Iterator[str
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"collapse-monitor serve did not become ready (exit code {process.poll()})")
             time.sleep(0.1)
-        yield base
+        yield base, process
     finally:
         process.terminate()
         process.wait()

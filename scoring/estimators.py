@@ -265,6 +265,11 @@ def retrieval_metrics(correct_at: dict[int, np.ndarray], chance: float, n_cols: 
     return metrics
 
 
+# Resampled cells held at once (int64 indices and their float64 gather: 4 MB): the bootstrap's
+# memory whatever R is. Drawing all B x R at once took 3.1 GB at R = 200,000 (B = 1000).
+BOOTSTRAP_CHUNK_CELLS = 1 << 18
+
+
 def bootstrap_intervals(
     mi_terms: np.ndarray, correct: np.ndarray, config: EstimatorConfig
 ) -> dict[str, tuple[float, float]]:
@@ -272,15 +277,31 @@ def bootstrap_intervals(
 
     Batch-level MI is noisy (it can dip below zero); an interval that straddles a threshold says
     the step alone does not show a change. Columns stay fixed: only rows are resampled.
+
+    Memory is O(``BOOTSTRAP_CHUNK_CELLS``) whatever R is: the B resamples are drawn a chunk of
+    whole resamples at a time. Naive equivalent (same numbers bit for bit: ``Generator.integers``
+    fills its output from one stream in order, so consecutive chunks draw what one [B, R] call
+    would, and each resample's mean is taken over its own row as before)::
+
+        idx = rng.integers(0, R, size=(B, R))
+        np.percentile(values[idx].mean(axis=1), [tail, 100 - tail])
     """
     if config.bootstrap_samples == 0:
         return {}
+    n_rows = len(mi_terms)
     rng = np.random.default_rng(config.bootstrap_seed)
-    idx = rng.integers(0, len(mi_terms), size=(config.bootstrap_samples, len(mi_terms)))  # [B, R]
+    accuracy = correct.astype(np.float64)
+    means = np.empty((2, config.bootstrap_samples))  # [2, B] per resample: mean MI term, mean hit
+    per_chunk = max(1, BOOTSTRAP_CHUNK_CELLS // n_rows)
+    for start in range(0, config.bootstrap_samples, per_chunk):
+        stop = min(start + per_chunk, config.bootstrap_samples)
+        idx = rng.integers(0, n_rows, size=(stop - start, n_rows))  # [chunk, R]
+        means[0, start:stop] = mi_terms[idx].mean(axis=1)
+        means[1, start:stop] = accuracy[idx].mean(axis=1)
     tail = 100 * (1 - config.confidence) / 2
     intervals = {}
-    for name, values in (("mi_estimate", mi_terms), ("retrieval_accuracy", correct.astype(np.float64))):
-        low, high = np.percentile(values[idx].mean(axis=1), [tail, 100 - tail])
+    for name, resampled in (("mi_estimate", means[0]), ("retrieval_accuracy", means[1])):
+        low, high = np.percentile(resampled, [tail, 100 - tail])
         intervals[name] = (float(low), float(high))
     return intervals
 
@@ -322,6 +343,7 @@ def cusum(
     drop: float,
     se_floor: float,
     tau2: float = 0.0,
+    start: float = 0.0,
 ) -> list[float]:
     """One-sided CUSUM statistics S_t of a downward shift of ``drop`` from ``baseline`` (module docstring).
 
@@ -332,8 +354,9 @@ def cusum(
         baseline: the in-control level b.
         drop: the designed shift d (> 0); steps below b - d/2 push S up.
         tau2: between-step variance added to each se^2 (``between_step_variance``).
+        start: S before the first value (0: a fresh statistic; the last S to go on from there).
     """
-    out, s = [], 0.0
+    out, s = [], start
     for value, error in zip(values, errors, strict=True):
         s = max(0.0, s + (baseline - drop / 2 - value) / max(math.sqrt(error**2 + tau2), se_floor))
         out.append(s)

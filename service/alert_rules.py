@@ -1,8 +1,10 @@
 """Template-collapse alert rules, evaluated on a run's stored series after each scored step.
 
-Pure: series in, alert episodes out. Each evaluation replays the whole history of a (run,
-sampler) through the rules' state machine, so the result never depends on what a previous
-process remembered:
+Pure: series in, alert episodes out. The rules replay the stored history of a (run, sampler)
+through their state machine, so the result never depends on what a previous process remembered;
+a ``Replay`` resumes from the state it saved after an earlier step (stored with the alerts,
+``service.alert_state``) and then reads only the newer points, so a step costs the same after
+10 or 10,000 steps and comes out as the whole replay would:
 
     condition holds ──▶ pending ──(holds `window` consecutive steps)──▶ firing
     pending ──(condition fails)──▶ dropped (never fired, nothing to tell)
@@ -28,10 +30,11 @@ Must not import fastapi or touch the database.
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,7 +44,7 @@ Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], a
 RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"]
 AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["critical", "warning"]
-MAX_WINDOW = 1000  # scored steps; every evaluation replays the history, so windows stay bounded
+MAX_WINDOW = 1000  # scored steps; a replay's saved state holds up to baseline_steps values per series
 SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
 CUSUM = "mi_cusum"  # not a stored series: computed here from mi_estimate and mi_estimate_se
 CUSUM_SE_FLOOR = 0.05  # share of the MI baseline: a standard error is never taken as smaller
@@ -156,12 +159,14 @@ class Episode:
 
 @dataclass(frozen=True)
 class _Span:
-    """Where one episode lies on the step axis, as the state machine found it."""
+    """Where one episode lies on the step axis, as the state machine found it, and the rows it spans."""
 
     onset: int
     fired: int | None
     resolved: int | None
     last: int
+    n_rows: int  # the rule's rows from the onset to the last step, both included
+    n_held: int  # ... of which the condition held
 
     @property
     def state(self) -> AlertState:
@@ -179,94 +184,155 @@ class _Figures:
     description: str
 
 
-def evaluate(
-    run: str, sampler: str, series: Series, config: AlertSettings, lost: Sequence[int] | None = None
-) -> list[Episode]:
-    """Every alert episode the rules produce on this (run, sampler)'s history, oldest first.
+class Rewind(Exception):
+    """New points change how earlier steps are judged (a series the rules confirm with appeared late):
+    the history must be replayed from its start."""
 
-    ``lost``: group ids of the prompts that lost input dependence in the latest batch
-    (``SamplerResult.lost_group_ids``); a TemplateCollapse episode reaching that batch names them.
+
+Inputs = list[float | None]  # what a rule's figures need at one of its rows
+
+
+@dataclass
+class _Machine:
+    """One rule's resumable state: the state machine's open episode, its streaks, the newest row.
+
+    The state machine over a rule's rows (one per step, ascending):
+
+        firing: a row the condition misses counts towards ``resolve_window``; enough in a row resolve it
+        otherwise: a row the condition holds opens (or continues) a pending episode, which fires on a
+        row where it held long enough (``ready``); a row it misses drops a pending episode
+
+    ``pending`` holds rows that arrived before the rule's baselines existed (fewer than
+    ``baseline_steps`` of them, so at most that many): once they exist they are judged in order.
+    Plain values only: the state is stored as JSON.
     """
-    if not config.enabled:
-        return []
-    if sampler == "all":
-        return _reward_episodes(run, series, config) + _no_reasoning_episodes(run, series, config)
-    return _template_episodes(run, sampler, series, config, lost) + _entropy_episodes(run, sampler, series, config)
 
-
-def _baseline(values: Sequence[tuple[int, float]], steps: int) -> float | None:
-    return statistics.median(v for _, v in values[:steps]) if len(values) >= steps else None
-
-
-def _aligned(series: Series, *names: str) -> list[tuple[int, tuple[float, ...]]]:
-    """Steps where every named series has a value, with those values."""
-    maps = [dict(series.get(name, [])) for name in names]
-    steps = sorted(set.intersection(*(set(m) for m in maps))) if maps else []
-    return [(s, tuple(m[s] for m in maps)) for s in steps]
-
-
-def _spans(steps: Sequence[int], holds: Sequence[bool], ready: Sequence[bool], resolve_window: int) -> list[_Span]:
-    """The state machine over a history; ``ready[i]``: the condition held long enough to fire at step i."""
-    spans: list[_Span] = []
     onset: int | None = None
     fired: int | None = None
-    clear = 0
-    for step, hold, can_fire in zip(steps, holds, ready, strict=True):
-        if onset is not None and fired is not None:  # firing: resolve after enough consecutive clear steps
-            clear = 0 if hold else clear + 1
-            if clear >= resolve_window:
-                spans.append(_Span(onset, fired, step, step))
-                onset, fired, clear = None, None, 0
-            continue
+    clear: int = 0
+    n_rows: int = 0
+    n_held: int = 0
+    streaks: list[int] = field(default_factory=lambda: [0, 0])
+    latest: int | None = None  # step of the rule's newest row
+    latest_inputs: Inputs = field(default_factory=list)
+    tail: dict[str, Any] | None = None  # the episode resolved at the newest row (re-described while it is)
+    heads: dict[str, list[float]] = field(default_factory=dict)  # first baseline_steps values per series
+    pending: list[tuple[int, Inputs]] = field(default_factory=list)
+    # TemplateCollapse only:
+    has_intervals: bool = False  # a mi_estimate_ci_high point was seen
+    confirm: bool | None = None  # whether rows were judged against the intervals (None: none judged yet)
+    cusum: list[float] | None = None  # mi_cusum: [baseline, tau^2, S] once the statistic runs
+    cusum_dead: bool = False  # mi_cusum: the MI baseline is not positive, nothing to fall from
+    cusum_rows: list[list[float | None]] = field(default_factory=list)  # steps waiting for the CUSUM to run
+
+    def head(self, name: str, value: float, config: AlertSettings) -> None:
+        values = self.heads.setdefault(name, [])
+        if len(values) < config.baseline_steps:
+            values.append(value)
+
+    def baseline(self, name: str, config: AlertSettings) -> float | None:
+        values = self.heads.get(name, [])
+        return statistics.median(values) if len(values) >= config.baseline_steps else None
+
+    def advance(
+        self, step: int, hold: bool, ready: bool, inputs: Inputs, resolve_window: int
+    ) -> tuple[_Span | None, int | None]:
+        """One row through the state machine: (the episode it resolved, the onset of the pending one it dropped)."""
+        self.latest, self.latest_inputs = step, inputs
+        if self.onset is not None and self.fired is not None:
+            self.n_rows, self.n_held = self.n_rows + 1, self.n_held + hold
+            self.clear = 0 if hold else self.clear + 1
+            if self.clear < resolve_window:
+                return None, None
+            span = _Span(self.onset, self.fired, step, step, self.n_rows, self.n_held)
+            self.onset, self.fired, self.clear = None, None, 0
+            return span, None
         if hold:
-            onset = step if onset is None else onset
-            if can_fire:
-                fired = step
-        else:
-            onset = None  # a pending condition that breaks is dropped
-    if onset is not None:
-        spans.append(_Span(onset, fired, None, steps[-1]))
-    return spans
+            if self.onset is None:
+                self.onset, self.n_rows, self.n_held = step, 0, 0
+            self.n_rows, self.n_held = self.n_rows + 1, self.n_held + 1
+            if ready:
+                self.fired = step
+            return None, None
+        dropped, self.onset = self.onset, None
+        return None, dropped
+
+    def open_span(self) -> _Span | None:
+        if self.onset is None or self.latest is None:
+            return None
+        return _Span(self.onset, self.fired, None, self.latest, self.n_rows, self.n_held)
 
 
-def _streaks(holds: Sequence[bool]) -> list[int]:
-    out, n = [], 0
-    for hold in holds:
-        n = n + 1 if hold else 0
-        out.append(n)
-    return out
+class _Rule:
+    """A rule over the per-step records of one (run, sampler): which rows it reads, judges and describes."""
 
+    name: RuleName
 
-def _episodes(
-    rule: RuleName,
-    sampler: str,
-    steps: Sequence[int],
-    holds: Sequence[bool],
-    ready: Sequence[bool],
-    config: AlertSettings,
-    figures: Callable[[_Span], _Figures],
-) -> list[Episode]:
-    """Runs the state machine and describes each episode it finds with ``figures``."""
-    episodes = []
-    for span in _spans(steps, holds, ready, config.resolve_window):
-        at = figures(span)
-        episodes.append(
-            Episode(
-                rule=rule,
-                sampler=sampler,
-                state=span.state,
-                onset_step=span.onset,
-                fired_step=span.fired,
-                resolved_step=span.resolved,
-                last_step=span.last,
-                value=at.value,
-                baseline=at.baseline,
-                threshold=at.threshold,
-                summary=at.summary,
-                description=at.description,
-            )
+    def __init__(self, run: str, sampler: str, config: AlertSettings, machine: _Machine) -> None:
+        self.run, self.sampler, self.config, self.m = run, sampler, config, machine
+
+    def absorb(self, records: list[tuple[int, dict[str, float]]]) -> list[tuple[int, Inputs]]:
+        """Takes in a feed's records (baselines' heads, flags); returns the rows judged once baselines exist."""
+        raise NotImplementedError
+
+    def ready_to_judge(self) -> bool:
+        """Settles what the baselines fix, once they exist (raises Rewind if a late series changes it)."""
+        raise NotImplementedError
+
+    def judge(self, inputs: Inputs) -> tuple[bool, bool]:
+        """(the condition holds, it held long enough to fire) at one row, updating the streaks."""
+        raise NotImplementedError
+
+    def figures(self, span: _Span, inputs: Inputs) -> _Figures:
+        raise NotImplementedError
+
+    def feed(self, records: list[tuple[int, dict[str, float]]]) -> tuple[list[Episode], list[int]]:
+        """Advances over a feed: (episodes resolved in it, onsets of pending episodes dropped)."""
+        m = self.m
+        m.pending += self.absorb(records)
+        resolved: list[Episode] = []
+        dropped: list[int] = []
+        if not self.ready_to_judge() or not m.pending:
+            return resolved, dropped
+        rows, m.pending = m.pending, []
+        for step, inputs in rows:
+            hold, ready = self.judge(inputs)
+            span, gone = m.advance(step, hold, ready, inputs, self.config.resolve_window)
+            if gone is not None:
+                dropped.append(gone)
+            if span is not None:
+                resolved.append(self.episode(span, inputs))
+        m.tail = _episode_state(resolved[-1]) if resolved and resolved[-1].last_step == m.latest else None
+        return resolved, dropped
+
+    def episode(self, span: _Span, inputs: Inputs) -> Episode:
+        at = self.figures(span, inputs)
+        return Episode(
+            rule=self.name,
+            sampler=self.sampler,
+            state=span.state,
+            onset_step=span.onset,
+            fired_step=span.fired,
+            resolved_step=span.resolved,
+            last_step=span.last,
+            value=at.value,
+            baseline=at.baseline,
+            threshold=at.threshold,
+            summary=at.summary,
+            description=at.description,
         )
-    return episodes
+
+    def open_episode(self) -> Episode | None:
+        span = self.m.open_span()
+        return self.episode(span, self.m.latest_inputs) if span is not None else None
+
+    def streak(self, index: int, hold: bool) -> int:
+        self.m.streaks[index] = self.m.streaks[index] + 1 if hold else 0
+        return self.m.streaks[index]
+
+
+def _episode_state(episode: Episode) -> dict[str, Any]:
+    return {name: getattr(episode, name) for name in Episode.__dataclass_fields__}
 
 
 def _level(threshold: float, baseline: float, drop_fraction: float) -> float:
@@ -283,82 +349,128 @@ TEMPLATE_ADVICE = (
 )
 
 
-def _cusum_series(series: Series, config: AlertSettings) -> list[tuple[int, float]]:
-    """The mi_cusum statistic at each step with mi_estimate and its standard error; [] before a baseline."""
-    rows = _aligned(series, "mi_estimate", "mi_estimate_se")
-    base = _baseline(series.get("mi_estimate", []), config.baseline_steps)
-    if not rows or base is None or base <= 0:
-        return []
-    head = rows[: config.baseline_steps]
-    values = cusum(
-        [v for _, (v, _) in rows],
-        [e for _, (_, e) in rows],
-        baseline=base,
-        drop=config.cusum_drop * base,
-        se_floor=CUSUM_SE_FLOOR * base,
-        tau2=between_step_variance([v for _, (v, _) in head], [e for _, (_, e) in head]),
-    )
-    return [(step, value) for (step, _), value in zip(rows, values, strict=True)]
+class _Template(_Rule):
+    """TemplateCollapse. Rows: steps with the signal (for mi_cusum: the CUSUM over the steps with
+    mi_estimate and its standard error) and H(Z|X); inputs [signal, H(Z|X), ci_high, mi_estimate]."""
 
+    name = TEMPLATE
+    fixed: tuple[float, float, float | None, float, float]  # signal, entropy, MI baselines; level, MI level
+    MI, SE, CI, ENTROPY = "mi_estimate", "mi_estimate_se", "mi_estimate_ci_high", "conditional_entropy_est"
 
-def _template_episodes(
-    run: str, sampler: str, series: Series, config: AlertSettings, lost: Sequence[int] | None = None
-) -> list[Episode]:
-    signal = config.signal
-    if signal == CUSUM:
-        series = {**series, CUSUM: _cusum_series(series, config)}
-    rows = _aligned(series, signal, "conditional_entropy_est")
-    signal_base = _baseline(series.get(signal, []), config.baseline_steps)
-    entropy_base = _baseline(series.get("conditional_entropy_est", []), config.baseline_steps)
-    if not rows or signal_base is None or entropy_base is None:
-        return []
-    # The CUSUM already weighs each step by its standard error: it rises above a fixed level.
-    cumulative = signal == CUSUM
-    level = config.cusum_threshold if cumulative else _level(config.signal_threshold, signal_base, config.drop_fraction)
-    # Noise guard: a step also needs the whole bootstrap interval of the MI estimate below the same
-    # relative level of its own baseline, so one batch's sampling noise cannot count as a drop.
-    ci_high = dict(series.get("mi_estimate_ci_high", []))
-    mi_base = _baseline(series.get("mi_estimate", []), config.baseline_steps)
-    confirm = config.use_intervals and bool(ci_high) and mi_base is not None and not cumulative
-    mi_level = _level(SIGNAL_THRESHOLDS["mi_estimate"], mi_base or 0.0, config.drop_fraction)
-    holds = [
-        (value > level if cumulative else value < level)
-        and (1 - config.entropy_band) * entropy_base <= entropy <= (1 + config.entropy_band_above) * entropy_base
-        and (not confirm or ci_high.get(step, float("inf")) < mi_level)
-        for step, (value, entropy) in rows
-    ]
-    values = dict(rows)
+    def absorb(self, records: list[tuple[int, dict[str, float]]]) -> list[tuple[int, Inputs]]:
+        m, config, cumulative = self.m, self.config, self.config.signal == CUSUM
+        names = {self.MI, self.ENTROPY} | (set() if cumulative else {config.signal})
+        rows: list[tuple[int, Inputs]] = []
+        for step, values in records:
+            for name in names & values.keys():
+                m.head(name, values[name], config)
+            m.has_intervals = m.has_intervals or self.CI in values
+            inputs: Inputs = [
+                values.get(config.signal),
+                values.get(self.ENTROPY),
+                values.get(self.CI),
+                values.get(self.MI),
+            ]
+            if not cumulative:
+                if inputs[0] is not None and inputs[1] is not None:
+                    rows.append((step, inputs))
+            elif self.MI in values and self.SE in values and not m.cusum_dead:
+                m.cusum_rows.append([step, values[self.SE], *inputs[1:]])
+        return rows + self._cusum_rows() if cumulative else rows
 
-    def figures(span: _Span) -> _Figures:
-        value, entropy = values[span.last]
-        streak = sum(1 for s, _ in rows if span.onset <= s <= span.last)
-        bound = (
-            f" (the 95% interval of mi_estimate reaches {ci_high[span.last]:.4g}, under {mi_level:.4g})"
-            if confirm and span.last in ci_high
-            else ""
+    def _cusum_rows(self) -> list[tuple[int, Inputs]]:
+        """The waiting (mi_estimate, se) steps as CUSUM rows, once the statistic can run: it needs the
+        MI baseline and the between-step variance of the first ``baseline_steps`` steps."""
+        m, config = self.m, self.config
+        if m.cusum is None:
+            base = m.baseline(self.MI, config)
+            if base is not None and base <= 0:
+                m.cusum_dead, m.cusum_rows = True, []
+            if base is None or base <= 0 or len(m.cusum_rows) < config.baseline_steps:
+                return []
+            head = [(r[4], r[1]) for r in m.cusum_rows[: config.baseline_steps]]
+            m.cusum = [base, between_step_variance([v for v, _ in head], [e for _, e in head]), 0.0]  # type: ignore[misc]  # mi and se are present on these steps
+        base, tau2, s = m.cusum
+        rows: list[tuple[int, Inputs]] = []
+        for step, se, entropy, ci, mi in m.cusum_rows:
+            assert step is not None
+            assert se is not None
+            assert mi is not None
+            (s,) = cusum(
+                [mi],
+                [se],
+                baseline=base,
+                drop=config.cusum_drop * base,
+                se_floor=CUSUM_SE_FLOOR * base,
+                tau2=tau2,
+                start=s,
+            )
+            m.head(CUSUM, s, config)
+            if entropy is not None:
+                rows.append((int(step), [s, entropy, ci, mi]))
+        m.cusum[2], m.cusum_rows = s, []
+        return rows
+
+    def ready_to_judge(self) -> bool:
+        m, config = self.m, self.config
+        cumulative = config.signal == CUSUM
+        signal_base, entropy_base = m.baseline(config.signal, config), m.baseline(self.ENTROPY, config)
+        if signal_base is None or entropy_base is None:
+            return False
+        mi_base = m.baseline(self.MI, config)
+        # Noise guard: a step also needs the whole bootstrap interval of the MI estimate below the same
+        # relative level of its own baseline, so one batch's sampling noise cannot count as a drop.
+        confirm = config.use_intervals and m.has_intervals and mi_base is not None and not cumulative
+        if m.confirm is not None and m.confirm != confirm:
+            raise Rewind  # the intervals (or the MI baseline) appeared after steps were judged without them
+        m.confirm = confirm
+        # The CUSUM already weighs each step by its standard error: it rises above a fixed level.
+        level = (
+            config.cusum_threshold if cumulative else _level(config.signal_threshold, signal_base, config.drop_fraction)
         )
-        if cumulative:
-            mi = dict(series.get("mi_estimate", []))
+        mi_level = _level(SIGNAL_THRESHOLDS["mi_estimate"], mi_base or 0.0, config.drop_fraction)
+        self.fixed = (signal_base, entropy_base, mi_base, level, mi_level)
+        return True
+
+    def judge(self, inputs: Inputs) -> tuple[bool, bool]:
+        value, entropy, ci, _ = inputs
+        assert value is not None
+        assert entropy is not None
+        config, (_, entropy_base, _, level, mi_level) = self.config, self.fixed
+        hold = (
+            (value > level if config.signal == CUSUM else value < level)
+            and (1 - config.entropy_band) * entropy_base <= entropy <= (1 + config.entropy_band_above) * entropy_base
+            and (not self.m.confirm or (ci if ci is not None else math.inf) < mi_level)
+        )
+        return hold, self.streak(0, hold) >= config.window
+
+    def figures(self, span: _Span, inputs: Inputs) -> _Figures:
+        value, entropy, ci, mi = inputs
+        assert value is not None
+        assert entropy is not None
+        config, (signal_base, entropy_base, mi_base, level, mi_level) = self.config, self.fixed
+        if config.signal == CUSUM:
             change = (
-                f"mi_estimate {mi.get(span.last, float('nan')):.4g} fell from its baseline {mi_base or 0.0:.4g} "
+                f"mi_estimate {mi if mi is not None else float('nan'):.4g} fell from its baseline {mi_base or 0.0:.4g} "
                 f"(its CUSUM {value:.4g} rose above {level:.4g} standard errors)"
             )
         else:
-            change = f"{signal} {value:.4g} fell below {level:.4g} (baseline {signal_base:.4g}){bound}"
+            bound = (
+                f" (the 95% interval of mi_estimate reaches {ci:.4g}, under {mi_level:.4g})"
+                if self.m.confirm and ci is not None
+                else ""
+            )
+            change = f"{config.signal} {value:.4g} fell below {level:.4g} (baseline {signal_base:.4g}){bound}"
         summary = (
-            f"{TEMPLATE} on run {run} ({sampler}) at step {span.last}: {change} over {streak} scored steps since step "
-            f"{span.onset}, while H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
-            + _lost_prompts(lost, span.last, rows[-1][0])
+            f"{TEMPLATE} on run {self.run} ({self.sampler}) at step {span.last}: {change} over {span.n_rows} scored "
+            f"steps since step {span.onset}, while H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
         )
         return _Figures(value, signal_base, level, summary, TEMPLATE_ADVICE)
 
-    ready = [n >= config.window for n in _streaks(holds)]
-    return _episodes(TEMPLATE, sampler, [s for s, _ in rows], holds, ready, config, figures)
 
-
-def _lost_prompts(lost: Sequence[int] | None, step: int, latest: int) -> str:
-    """Names the latest batch's prompts that lost input dependence, when the episode reaches it."""
-    if lost is None or step != latest:
+def _lost_prompts(lost: Sequence[int] | None) -> str:
+    """Names the latest batch's prompts that lost input dependence (said by the episode reaching that batch)."""
+    if lost is None:
         return ""
     if not lost:
         return "; no single prompt of the latest batch stands out as lost"
@@ -371,25 +483,48 @@ ENTROPY_ADVICE = (
 )
 
 
-def _entropy_episodes(run: str, sampler: str, series: Series, config: AlertSettings) -> list[Episode]:
-    name = config.entropy_signal
-    rows = series.get(name, [])
-    base = _baseline(rows, config.baseline_steps)
-    if not rows or base is None or base <= 0:
-        return []
-    floor = config.entropy_floor * base
-    holds = [value < floor for _, value in rows]
-    values = dict(rows)
+class _Entropy(_Rule):
+    """EntropyCollapse. Rows: the steps of the entropy signal; inputs [value]."""
 
-    def figures(span: _Span) -> _Figures:
+    name = ENTROPY
+
+    def absorb(self, records: list[tuple[int, dict[str, float]]]) -> list[tuple[int, Inputs]]:
+        name, rows = self.config.entropy_signal, list[tuple[int, Inputs]]()
+        for step, values in records:
+            if name in values:
+                self.m.head(name, values[name], self.config)
+                rows.append((step, [values[name]]))
+        return rows
+
+    def ready_to_judge(self) -> bool:
+        base = self.m.baseline(self.config.entropy_signal, self.config)
+        if base is not None and base <= 0:
+            self.m.pending = []  # no baseline to fall from: never judged, nothing kept
+        return base is not None and base > 0
+
+    def judge(self, inputs: Inputs) -> tuple[bool, bool]:
+        (value,) = inputs
+        assert value is not None
+        hold = value < self._floor()
+        return hold, self.streak(0, hold) >= self.config.window
+
+    def _base(self) -> float:
+        base = self.m.baseline(self.config.entropy_signal, self.config)
+        assert base is not None  # judged only once it exists
+        return base
+
+    def _floor(self) -> float:
+        return self.config.entropy_floor * self._base()
+
+    def figures(self, span: _Span, inputs: Inputs) -> _Figures:
+        (value,) = inputs
+        assert value is not None
         summary = (
-            f"{ENTROPY} on run {run} ({sampler}) at step {span.last}: {name} {values[span.last]:.4g} fell below "
-            f"{config.entropy_floor:.0%} of its baseline {base:.4g} (since step {span.onset})"
+            f"{ENTROPY} on run {self.run} ({self.sampler}) at step {span.last}: {self.config.entropy_signal} "
+            f"{value:.4g} fell below {self.config.entropy_floor:.0%} of its baseline {self._base():.4g} (since step "
+            f"{span.onset})"
         )
-        return _Figures(values[span.last], base, floor, summary, ENTROPY_ADVICE)
-
-    ready = [n >= config.window for n in _streaks(holds)]
-    return _episodes(ENTROPY, sampler, [s for s, _ in rows], holds, ready, config, figures)
+        return _Figures(value, self._base(), self._floor(), summary, ENTROPY_ADVICE)
 
 
 REWARD_ADVICE = (
@@ -400,36 +535,53 @@ REWARD_ADVICE = (
 )
 
 
-def _reward_episodes(run: str, series: Series, config: AlertSettings) -> list[Episode]:
-    std_name, zero_name = "rollout/in_group_reward_std", "zero_variance_group_ratio"
-    rows = _aligned(series, std_name, zero_name)
-    base = _baseline(series.get(std_name, []), config.baseline_steps)
-    if not rows or base is None:
-        return []
-    low_std = [std < config.reward_std_fraction * base for _, (std, _) in rows]
-    many_zero = [zero > config.zero_variance_ratio for _, (_, zero) in rows]
-    holds = [a or b for a, b in zip(low_std, many_zero, strict=True)]
-    ready = [
-        a >= config.reward_window or b >= config.window
-        for a, b in zip(_streaks(low_std), _streaks(many_zero), strict=True)
-    ]
-    values = dict(rows)
-    kept = dict(series.get("rollout/filter_kept_ratio", []))
+class _Reward(_Rule):
+    """LowRewardSignal. Rows: steps with the in-group reward std and the zero-variance share; inputs
+    [std, zero share, filter kept ratio]."""
 
-    def figures(span: _Span) -> _Figures:
-        std, zero = values[span.last]
+    name = REWARD
+    STD, ZERO, KEPT = "rollout/in_group_reward_std", "zero_variance_group_ratio", "rollout/filter_kept_ratio"
+
+    def absorb(self, records: list[tuple[int, dict[str, float]]]) -> list[tuple[int, Inputs]]:
+        rows: list[tuple[int, Inputs]] = []
+        for step, values in records:
+            if self.STD in values:
+                self.m.head(self.STD, values[self.STD], self.config)
+                if self.ZERO in values:
+                    rows.append((step, [values[self.STD], values[self.ZERO], values.get(self.KEPT)]))
+        return rows
+
+    def ready_to_judge(self) -> bool:
+        return self.m.baseline(self.STD, self.config) is not None
+
+    def _threshold(self) -> float:
+        base = self.m.baseline(self.STD, self.config)
+        assert base is not None
+        return self.config.reward_std_fraction * base
+
+    def judge(self, inputs: Inputs) -> tuple[bool, bool]:
+        std, zero, _ = inputs
+        assert std is not None
+        assert zero is not None
+        low_std, many_zero = std < self._threshold(), zero > self.config.zero_variance_ratio
+        ready = self.streak(0, low_std) >= self.config.reward_window
+        ready = self.streak(1, many_zero) >= self.config.window or ready
+        return low_std or many_zero, ready
+
+    def figures(self, span: _Span, inputs: Inputs) -> _Figures:
+        std, zero, kept = inputs
+        assert std is not None
+        assert zero is not None
+        base = self.m.baseline(self.STD, self.config)
+        assert base is not None
         summary = (
-            f"{REWARD} on run {run} at step {span.last}: mean in-group reward std {std:.4g} "
+            f"{REWARD} on run {self.run} at step {span.last}: mean in-group reward std {std:.4g} "
             f"(baseline {base:.4g}), {zero:.0%} of prompt groups without reward variance (since step {span.onset})"
         )
         advice = (
-            f" On step {span.last} a top_p 0.9 filter would keep {kept[span.last]:.0%} of the groups."
-            if span.last in kept
-            else ""
+            f" On step {span.last} a top_p 0.9 filter would keep {kept:.0%} of the groups." if kept is not None else ""
         )
-        return _Figures(std, base, config.reward_std_fraction * base, summary, REWARD_ADVICE + advice)
-
-    return _episodes(REWARD, "all", [s for s, _ in rows], holds, ready, config, figures)
+        return _Figures(std, base, self._threshold(), summary, REWARD_ADVICE + advice)
 
 
 NO_REASONING_ADVICE = (
@@ -440,28 +592,121 @@ NO_REASONING_ADVICE = (
 )
 
 
-def _no_reasoning_episodes(run: str, series: Series, config: AlertSettings) -> list[Episode]:
-    rows = series.get("valid_thinking_rate", [])
-    if not rows:
-        return []
-    holds = [value == 0 for _, value in rows]
-    truncated = dict(series.get("truncated_think_ratio", []))
+class _NoReasoning(_Rule):
+    """NoReasoning. Rows: the steps of valid_thinking_rate; inputs [rate, truncated think ratio]."""
 
-    def figures(span: _Span) -> _Figures:
-        streak = sum(1 for s, value in rows if span.onset <= s <= span.last and value == 0)
+    name = NO_REASONING
+    RATE, TRUNCATED = "valid_thinking_rate", "truncated_think_ratio"
+
+    def absorb(self, records: list[tuple[int, dict[str, float]]]) -> list[tuple[int, Inputs]]:
+        return [(step, [v[self.RATE], v.get(self.TRUNCATED)]) for step, v in records if self.RATE in v]
+
+    def ready_to_judge(self) -> bool:
+        return True  # no baseline
+
+    def judge(self, inputs: Inputs) -> tuple[bool, bool]:
+        hold = inputs[0] == 0
+        return hold, self.streak(0, hold) >= self.config.window
+
+    def figures(self, span: _Span, inputs: Inputs) -> _Figures:
+        truncated = inputs[1]
         cut = (
-            f"; {truncated[span.last]:.0%} of the last batch's turns opened a think block and never closed it"
-            if truncated.get(span.last)
-            else ""
+            f"; {truncated:.0%} of the last batch's turns opened a think block and never closed it" if truncated else ""
         )
         summary = (
-            f"{NO_REASONING} on run {run} at step {span.last}: no turn carried reasoning to score in {streak} "
-            f"batches in a row (since step {span.onset}){cut}"
+            f"{NO_REASONING} on run {self.run} at step {span.last}: no turn carried reasoning to score in "
+            f"{span.n_held} batches in a row (since step {span.onset}){cut}"
         )
         return _Figures(0.0, 0.0, 0.0, summary, NO_REASONING_ADVICE)
 
-    ready = [n >= config.window for n in _streaks(holds)]
-    return _episodes(NO_REASONING, "all", [s for s, _ in rows], holds, ready, config, figures)
+
+RULES_VERSION = 1  # in a checkpoint's key: one written by other rules is not resumed, the history is replayed
+
+
+class Replay:
+    """The rules of one (run, sampler) over its history, resumable from a stored state.
+
+    A fresh replay fed the whole history gives every episode (``evaluate``). A replay resumed from
+    the state saved after step S and fed only the points after S (all at later steps) reaches the
+    same state and episodes as the whole history would: the rules' baselines are fixed by the
+    first ``baseline_steps`` values, the CUSUM and the state machine carry their state forward, and
+    an episode's figures come from its own last row. The one exception raises ``Rewind``: a series
+    that decides how every step is judged appeared only now (see ``_Template``); the caller then
+    replays the whole history.
+    """
+
+    def __init__(self, run: str, sampler: str, config: AlertSettings, state: dict[str, Any] | None = None) -> None:
+        saved = state or {}
+        kinds: tuple[type[_Rule], ...] = (_Reward, _NoReasoning) if sampler == "all" else (_Template, _Entropy)
+        self.rules = [kind(run, sampler, config, _machine(saved.get(kind.name))) for kind in kinds]
+        self.resolved: list[Episode] = []
+        self.dropped: list[tuple[RuleName, int]] = []
+        self.tails = [rule.m.tail for rule in self.rules]
+
+    def feed(self, series: Series) -> None:
+        """Advances every rule over ``series`` (points at steps after the saved state's, ascending)."""
+        records = _records(series)
+        for rule in self.rules:
+            resolved, dropped = rule.feed(records)
+            self.resolved += resolved
+            self.dropped += [(rule.name, onset) for onset in dropped]
+
+    def episodes(self, lost: Sequence[int] | None = None) -> list[Episode]:
+        """The episodes this replay touched, oldest first per rule: the one that ended at a rule's newest
+        row before the feed (its summary may change), those the feed resolved, the open one.
+
+        ``lost``: the latest batch's prompts that lost input dependence, named by the TemplateCollapse
+        episode that reaches the rule's newest row.
+        """
+        out = []
+        for rule, tail_before in zip(self.rules, self.tails, strict=True):
+            mine = [e for e in self.resolved if e.rule == rule.name]
+            if tail_before is not None:  # resolved in an earlier feed: older than anything in this one
+                mine.insert(0, Episode(**tail_before))
+            if (current := rule.open_episode()) is not None:
+                mine.append(current)
+            if rule.name == TEMPLATE and lost is not None:
+                mine = [
+                    replace(e, summary=e.summary + _lost_prompts(lost)) if e.last_step == rule.m.latest else e
+                    for e in mine
+                ]
+            out += mine
+        return out
+
+    def state(self) -> dict[str, Any]:
+        return {rule.name: asdict(rule.m) for rule in self.rules}
+
+
+def _machine(saved: dict[str, Any] | None) -> _Machine:
+    if saved is None:
+        return _Machine()
+    machine = _Machine(**saved)
+    machine.pending = [(int(step), list(inputs)) for step, inputs in machine.pending]  # JSON made them lists
+    return machine
+
+
+def _records(series: Series) -> list[tuple[int, dict[str, float]]]:
+    """Per step (ascending), the value of each series there; a later point of a step replaces an earlier one."""
+    by_step: dict[int, dict[str, float]] = {}
+    for name, points in series.items():
+        for step, value in points:
+            by_step.setdefault(step, {})[name] = value
+    return sorted(by_step.items())
+
+
+def evaluate(
+    run: str, sampler: str, series: Series, config: AlertSettings, lost: Sequence[int] | None = None
+) -> list[Episode]:
+    """Every alert episode the rules produce on this (run, sampler)'s history, oldest first per rule.
+
+    ``lost``: group ids of the prompts that lost input dependence in the latest batch
+    (``SamplerResult.lost_group_ids``); a TemplateCollapse episode reaching that batch names them.
+    """
+    if not config.enabled:
+        return []
+    replay = Replay(run, sampler, config)
+    replay.feed(series)
+    return replay.episodes(lost)
 
 
 def needed_series(config: AlertSettings) -> tuple[str, ...]:
@@ -484,12 +729,12 @@ def needed_series(config: AlertSettings) -> tuple[str, ...]:
 def settings_table() -> str:
     """The defaults table of docs/alerts.md, generated from ``AlertSettings`` (a test keeps them equal)."""
     lines = ["| setting | default | meaning |", "| --- | --- | --- |"]
-    for name, field in AlertSettings.model_fields.items():
-        default = field.default
+    for name, setting in AlertSettings.model_fields.items():
+        default = setting.default
         shown = (
             "per signal" if default is None else f"`{str(default).lower() if isinstance(default, bool) else default}`"
         )
-        meaning = (field.description or "").replace("|", "\\|")
+        meaning = (setting.description or "").replace("|", "\\|")
         lines.append(f"| `{name}` | {shown} | {meaning} |")
     return "\n".join(lines) + "\n"
 

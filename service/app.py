@@ -36,7 +36,7 @@ from service.api.middleware import (
 )
 from service.background import start_in_thread
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
-from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics
+from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
 from service.rate_limit import BodyBudget
 from service.readiness import DatabaseProbe
 from service.retention import Purger
@@ -49,6 +49,7 @@ log = logging.getLogger("collapse_monitor")
 
 
 def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
+    """What /metrics exports, read in one session (``SnapshotCache`` keeps it for metrics_cache_seconds)."""
     with sessions() as session:
         return MetricsSnapshot(
             latest=list(queries.latest_values(session)),
@@ -58,6 +59,12 @@ def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
             alerts=queries.active_alerts(session),
             deliveries=queries.delivery_counts(session),
         )
+
+
+def snapshot_outage(error: BaseException) -> str | None:
+    """One log line for a snapshot read that failed because the database is away; None for anything else."""
+    reason = outage(error)
+    return f"database {reason}: {first_line(getattr(error, 'orig', None) or error)}" if reason else None
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -79,7 +86,8 @@ def create_app(settings: Settings) -> FastAPI:
             database_probe=DatabaseProbe(engine, url),
             bodies=BodyBudget(settings.max_parsing_bytes),
         )
-        registry.register(DiagnosticsCollector(lambda: read_snapshot(sessions), settings.max_exported_series))
+        snapshot = SnapshotCache(lambda: read_snapshot(sessions), settings.metrics_cache_seconds)
+        registry.register(DiagnosticsCollector(snapshot, settings.max_exported_series, snapshot_outage))
         app.state.monitor = state
         threads = []
         if settings.embedded_worker and not settings.scoring_paused:

@@ -15,7 +15,7 @@ from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
 from service.errors import InvalidRequest
-from service.reasoning import group_extractions, reasoning_summary
+from service.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
 from service.recording import ALL, ScoredBatch
 from service.reward_figures import reward_figures
 from service.runs import RunSnapshot, is_scheduled
@@ -82,7 +82,10 @@ def score_rollouts(
             labels,
         )
         entropy = token_entropy_stats(cross.token_entropy)
-        matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources)
+        excerpts = reasoning_excerpts(
+            payload, rows.sources, rows.batch.column_of_row, cross.L_tok.shape[1], run.reasoning_extraction
+        )
+        matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources, excerpts)
         scored.add_sampler(sampler, diagnostics, ema, matrix, entropy)
     samplers = scored.result.samplers or {}
     scored.result.scored = any(result.metrics for result in samplers.values())

@@ -13,12 +13,13 @@ import uuid
 from typing import Any, cast
 
 import numpy as np
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction
-from service.errors import Conflict, InvalidRequest, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
+from service.errors import Conflict, InvalidRequest, NotFound, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
 from service.reasoning import ingest_warnings
 from service.recording import ALL, ScoredBatch, load_emas, record_step
 from service.reward_figures import grouped_reward_figures
@@ -44,10 +45,13 @@ def content_hash(raw: bytes) -> str:
     return hashlib.sha256(raw).hexdigest()
 
 
-def same_content(stored_payload: str, stored_hash: str, raw: bytes, is_purged: bool = False) -> bool:
+def same_content(
+    stored_payload: str, stored_hash: str, raw: bytes, is_purged: bool = False, digest: str | None = None
+) -> bool:
     """Whether a replayed body carries the stored content; key order and spacing do not matter,
-    except once the stored payload was purged (retention): then only the hash of the bytes is left."""
-    if content_hash(raw) == stored_hash:
+    except once the stored payload was purged (retention): then only the hash of the bytes is left.
+    ``digest``: ``content_hash(raw)`` when the caller has it."""
+    if (digest or content_hash(raw)) == stored_hash:
         return True
     if is_purged:
         return False
@@ -85,12 +89,24 @@ def ingest_rollouts(
     """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
     check_batch_limits(payload, settings)
     check_groups(payload)
+    accepted, extraction = _commit_rollouts(sessions, settings, run_name, raw, payload)
+    # After the commit: the warnings split every turn (linear in the text, but up to 32 MB of it),
+    # which no transaction needs to wait for.
+    return accepted.model_copy(update={"warnings": ingest_warnings(payload, extraction)})
+
+
+def _commit_rollouts(
+    sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
+) -> tuple[BatchAccepted, Extraction]:
+    """The batch queued in one transaction (or an identical earlier one), and the run's reasoning extraction."""
+    # Hashed before the transaction, and once: 32 MB take ~50 ms, which the run's row lock need not wait for.
+    digest = content_hash(raw)
     with sessions.begin() as session:
         run = require_run(session, run_name)
-        warnings = ingest_warnings(payload, cast(Extraction, run.reasoning_extraction))
-        replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw)
+        extraction = cast(Extraction, run.reasoning_extraction)
+        replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw, digest)
         if replay is not None:
-            return replay.model_copy(update={"warnings": warnings})
+            return replay, extraction
         check_scoring_cost(payload, run, settings)
         check_token_ids(payload, session.get(ScorerLimits, run.scorer))
         _check_queues(session, run, settings)
@@ -102,6 +118,7 @@ def ingest_rollouts(
             payload.idempotency_key,
             "rollouts",
             raw,
+            digest,
             checkpoint_id=checkpoint.id if checkpoint else None,
             status="queued",
         )
@@ -110,9 +127,9 @@ def ingest_rollouts(
             session.flush()
         except IntegrityError:  # a concurrent request with the same key won the race
             session.rollback()
-            replayed = _replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw)
-            return replayed.model_copy(update={"warnings": warnings})
-    return _accepted(batch).model_copy(update={"warnings": warnings})
+            replayed = _replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw, digest)
+            return replayed, extraction
+    return _accepted(batch), extraction
 
 
 def check_groups(payload: BatchIn) -> None:
@@ -229,42 +246,114 @@ def _check_queues(session: Session, run: Run, settings: Settings) -> None:
         )
 
 
+def check_matrix_limits(payload: MatrixBatchIn, settings: Settings) -> None:
+    """413 for a matrix over its row, column or cell limits, before any numerical work on it."""
+    n_rows = len(payload.row_group_ids)
+    _limit(n_rows, settings.max_matrix_rows, "a matrix", "rows (max_matrix_rows)", "row_group_ids")
+    n_columns = len(set(payload.row_group_ids))
+    _limit(n_columns, settings.max_matrix_columns, "a matrix", "columns (max_matrix_columns)", "row_group_ids")
+    _limit(n_rows * n_columns, settings.max_matrix_cells, "a matrix", "cells (max_matrix_cells)", "L_seq")
+
+
+MATRIX_ATTEMPTS = 3  # scorings of one matrix against an EMA state that concurrent uploads keep moving
+
+
 def ingest_matrix(
     sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: MatrixBatchIn
 ) -> MatrixAccepted:
-    """Stores a trainer-computed matrix and its metric points at once: no model, no queue."""
-    cells = len(payload.row_group_ids) * len(set(payload.row_group_ids))
-    if cells > settings.max_matrix_cells:
-        raise TooLarge(f"a matrix may hold at most {settings.max_matrix_cells} cells, got {cells}", field="L_seq")
+    """Stores a trainer-computed matrix and its metric points at once: no model, no queue.
+
+    The diagnostics are computed outside any transaction, from the sampler's EMA state read
+    before; the write transaction first takes the run's row lock (``advance_segment``: on
+    Postgres concurrent uploads to the run queue there, on SQLite behind the one writer), then
+    re-checks what another upload may have changed meanwhile. An identical upload that got
+    there first makes this one a replay (its stored answer). A matrix of the same sampler that
+    moved the EMA state makes this one's figures stale: they are thrown away and computed again
+    from the new state (``MATRIX_ATTEMPTS`` times, then 503 with Retry-After), so each step's EMA
+    follows the one written before it, as when the figures were computed inside the transaction.
+    """
+    check_matrix_limits(payload, settings)
     try:
         payload.check()
     except InputError as e:
         raise InvalidRequest(e.message, field=e.field) from e
+    digest = content_hash(raw)
     with sessions.begin() as session:
         run = RunSnapshot.of(require_run(session, run_name))
-        replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw)
-        if replay is not None:
-            stored = session.get_one(Batch, replay.batch_id)
-            result = BatchResult.model_validate(stored.result) if stored.result else BatchResult(scored=True)
-            return MatrixAccepted(**replay.model_dump(), results=result)
-        ema = load_emas(session, run.id, [payload.sampler]).get(payload.sampler, EmaState())
+        replay = _matrix_replay(session, run.id, payload, raw, digest)
+        ema = _ema_of(session, run.id, payload.sampler)
+    if replay is not None:
+        return replay
+    for _ in range(MATRIX_ATTEMPTS):
         scored = score_matrix(payload, ema, run.filter)
-        batch = _new_batch(
-            run.id,
-            payload.step,
-            segment_for(session, run, payload.step, matrix_sampler=payload.sampler),
-            payload.idempotency_key,
-            "matrix",
-            raw,
-            status="done",
-            result=scored.result.model_dump(mode="json"),
-            scoring_seconds=0.0,
-            tokens_scored=0,
-        )
-        session.add(batch)
-        session.flush()
-        record_step(session, run, batch, scored, settings)
-    return MatrixAccepted(**_accepted(batch).model_dump(), results=scored.result)
+        with sessions.begin() as session:
+            if require_run(session, run_name).id != run.id:  # 404 if it was deleted while the matrix was scored
+                raise NotFound(
+                    f"run {run_name!r} was deleted and created again while this matrix was scored; send it again",
+                    field="run",
+                )
+            segment = segment_for(session, run, payload.step, matrix_sampler=payload.sampler)
+            replay = _matrix_replay(session, run.id, payload, raw, digest)
+            current = _ema_of(session, run.id, payload.sampler)
+            if replay is not None or current != ema:
+                session.rollback()  # the segment move too: nothing of this attempt is kept
+            else:
+                batch = _new_batch(
+                    run.id,
+                    payload.step,
+                    segment,
+                    payload.idempotency_key,
+                    "matrix",
+                    raw,
+                    digest,
+                    status="done",
+                    result=scored.result.model_dump(mode="json"),
+                    scoring_seconds=0.0,
+                    tokens_scored=0,
+                )
+                session.add(batch)
+                try:
+                    session.flush()
+                except IntegrityError:  # pragma: no cover - the run's row lock orders identical uploads first
+                    session.rollback()
+                    replay = _matrix_replay_after_race(sessions, run.id, payload, raw, digest)
+                else:
+                    record_step(session, run, batch, scored, settings)
+                    return MatrixAccepted(**_accepted(batch).model_dump(), results=scored.result)
+        if replay is not None:
+            return replay
+        ema = current
+    raise Unavailable(
+        f"matrices of sampler {payload.sampler!r} of this run arrived concurrently {MATRIX_ATTEMPTS} times while "
+        "this one was scored; retry after the Retry-After header (send a sampler's steps one at a time, in order)",
+        retry_after=1,
+    )
+
+
+def _ema_of(session: Session, run_id: int, sampler: str) -> EmaState:
+    return load_emas(session, run_id, [sampler]).get(sampler, EmaState())
+
+
+def _matrix_replay(
+    session: Session, run_id: int, payload: MatrixBatchIn, raw: bytes, digest: str
+) -> MatrixAccepted | None:
+    """The stored answer to an identical earlier upload (None when there is none; 409 for other content)."""
+    replay = _replay(session, run_id, payload.idempotency_key, payload.step, raw, digest)
+    if replay is None:
+        return None
+    stored = session.scalar(select(Batch.result).where(Batch.id == replay.batch_id))
+    result = BatchResult.model_validate(stored) if stored else BatchResult(scored=True)
+    return MatrixAccepted(**replay.model_dump(), results=result)
+
+
+def _matrix_replay_after_race(
+    sessions: sessionmaker[Session], run_id: int, payload: MatrixBatchIn, raw: bytes, digest: str
+) -> MatrixAccepted:  # pragma: no cover - see ingest_matrix
+    with sessions.begin() as session:
+        replay = _matrix_replay(session, run_id, payload, raw, digest)
+    if replay is None:
+        raise Conflict("batch_id conflict", field="batch_id")
+    return replay
 
 
 def score_matrix(payload: MatrixBatchIn, ema: EmaState, filter_settings: dict[str, object]) -> ScoredBatch:
@@ -288,8 +377,10 @@ def score_matrix(payload: MatrixBatchIn, ema: EmaState, filter_settings: dict[st
     return scored
 
 
-def _new_batch(run_id: int, step: int, segment: int, key: str | None, kind: str, raw: bytes, **fields: Any) -> Batch:
-    """A batch row holding the request body as sent, under a fresh id."""
+def _new_batch(
+    run_id: int, step: int, segment: int, key: str | None, kind: str, raw: bytes, digest: str, **fields: Any
+) -> Batch:
+    """A batch row holding the request body as sent (``digest``: its ``content_hash``), under a fresh id."""
     return Batch(
         id=uuid.uuid4().hex,
         run_id=run_id,
@@ -298,7 +389,7 @@ def _new_batch(run_id: int, step: int, segment: int, key: str | None, kind: str,
         idempotency_key=key,
         kind=kind,
         payload=raw.decode(),
-        payload_sha256=content_hash(raw),
+        payload_sha256=digest,
         **fields,
     )
 
@@ -312,20 +403,20 @@ def _accepted(batch: Batch, replayed: bool = False) -> BatchAccepted:
     )
 
 
-def _replay(session: Session, run_id: int, key: str | None, step: int, raw: bytes) -> BatchAccepted | None:
+def _replay(session: Session, run_id: int, key: str | None, step: int, raw: bytes, digest: str) -> BatchAccepted | None:
     """The first answer to an identical earlier request; 409 for other content under the same key.
 
     Without a key, an earlier batch of the same step with byte-identical content is a replay too
     (a client that retried after a lost answer).
     """
     if key is None:
-        existing = queries.batch_by_content(session, run_id, step, content_hash(raw))
+        existing = queries.batch_by_content(session, run_id, step, digest)
         return _accepted(existing, replayed=True) if existing is not None else None
     existing = queries.batch_by_key(session, run_id, key)
     if existing is None:
         return None
     is_purged = existing.payload_purged_at is not None
-    if not same_content(existing.payload, existing.payload_sha256, raw, is_purged):
+    if not same_content(existing.payload, existing.payload_sha256, raw, is_purged, digest):
         purged = " (its payload was purged, so only a byte-identical replay is recognised)" if is_purged else ""
         raise Conflict(
             f"batch_id {key!r} was already used for different content (batch {existing.id}){purged}; "
@@ -336,10 +427,10 @@ def _replay(session: Session, run_id: int, key: str | None, step: int, raw: byte
 
 
 def _replay_after_race(
-    sessions: sessionmaker[Session], run_name: str, key: str | None, step: int, raw: bytes
+    sessions: sessionmaker[Session], run_name: str, key: str | None, step: int, raw: bytes, digest: str
 ) -> BatchAccepted:
     with sessions.begin() as session:
-        replay = _replay(session, require_run(session, run_name).id, key, step, raw)
+        replay = _replay(session, require_run(session, run_name).id, key, step, raw, digest)
     if replay is None:  # pragma: no cover - the unique constraint fired, so the row exists
         raise Conflict("batch_id conflict", field="batch_id")
     return replay

@@ -9,6 +9,8 @@ number of API and worker processes expose the same figures without multiprocess 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,12 +113,55 @@ class ServiceMetrics:
             self.rejections.labels(reason)
 
 
-class DiagnosticsCollector(Collector):
-    """The diagnostics of every run, at most ``max_series`` of them (whole runs, the most recently updated first)."""
+class SnapshotCache:
+    """``read()`` at most once per ``seconds``: scrapes in between get the snapshot read last.
 
-    def __init__(self, read: Callable[[], MetricsSnapshot], max_series: int = 20_000) -> None:
+    ``/metrics`` is open (and not rate-limited) by default, and a snapshot runs aggregates over
+    whole tables; Prometheus scrapes every 15 s, so a few seconds' cache costs it nothing while any
+    number of scrapers cost the database one read per period. Concurrent scrapes wait for one
+    read rather than each making its own. A failed read is not kept: the next scrape tries again.
+    ``seconds`` 0 reads at every scrape.
+    """
+
+    def __init__(
+        self, read: Callable[[], MetricsSnapshot], seconds: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.read, self.seconds, self.clock = read, seconds, clock
+        self._lock = threading.Lock()
+        self._kept: tuple[float, MetricsSnapshot] | None = None
+        self.reads = 0
+
+    def __call__(self) -> MetricsSnapshot:
+        with self._lock:
+            if self._kept is not None and self.clock() - self._kept[0] < self.seconds:
+                return self._kept[1]
+            snapshot = self.read()
+            self.reads += 1
+            self._kept = (self.clock(), snapshot)
+            return snapshot
+
+
+class DiagnosticsCollector(Collector):
+    """The diagnostics of every run, at most ``max_series`` of them (whole runs, the most recently updated first).
+
+    A scrape that cannot read the database answers ``database_up 0``. A run of failed scrapes (an
+    outage) is logged twice, when it starts and when the database answers again: ``outage(error)``
+    gives the one line to log for an error that means the database is away, None for anything
+    else, which is logged with its traceback (once per run of failures too).
+    """
+
+    def __init__(
+        self,
+        read: Callable[[], MetricsSnapshot],
+        max_series: int = 20_000,
+        outage: Callable[[BaseException], str | None] = lambda _: None,
+    ) -> None:
         self.read = read
         self.max_series = max_series
+        self.outage = outage
+        self._failed_since: float | None = None  # monotonic time of the first failed scrape of a run of them
+        self._failures = 0
+        self._lock = threading.Lock()
 
     def describe(self) -> list[Metric]:
         return []  # collected on demand; nothing to check at registration
@@ -125,16 +170,40 @@ class DiagnosticsCollector(Collector):
         up = GaugeMetricFamily(f"{NAMESPACE}_database_up", "1 when the last scrape could read the database.")
         try:
             snapshot = self.read()
-        except Exception:
-            log.exception("reading metrics from the database failed")
+        except Exception as e:
+            self._failed(e)
             up.add_metric([], 0.0)
             yield up
             return
+        self._answered()
         up.add_metric([], 1.0)
         yield up
         yield from _diagnostics(snapshot, self.max_series)
         yield from _service(snapshot)
         yield from _alerts(snapshot)
+
+    def _failed(self, error: BaseException) -> None:
+        with self._lock:
+            self._failures += 1
+            if self._failed_since is not None:
+                return
+            self._failed_since = time.monotonic()
+        line = self.outage(error)
+        if line is None:
+            log.exception("reading metrics from the database failed; /metrics answers database_up 0")
+        else:
+            log.warning("reading metrics: %s; /metrics answers database_up 0 until it answers again", line)
+
+    def _answered(self) -> None:
+        with self._lock:
+            since, failures = self._failed_since, self._failures
+            self._failed_since, self._failures = None, 0
+        if since is not None:
+            log.info(
+                "reading metrics: the database answers again after %d failed scrapes in %.1f s",
+                failures,
+                time.monotonic() - since,
+            )
 
 
 def _diagnostics(snapshot: MetricsSnapshot, max_series: int) -> Iterator[Metric]:

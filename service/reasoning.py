@@ -4,11 +4,13 @@
 group, and X differs between the think-tag and whole-response readings of a turn.
 
 Ingest uses it to warn, in its 202 answer, about a batch that will score nothing; the worker
-stores the same counts with the batch's results and figures. Text level only (no tokenizer), so
-it must not import torch or fastapi.
+stores the same counts with the batch's results and figures, and the reasoning excerpts the run
+page shows per prompt. Text level only (no tokenizer), so it must not import torch or fastapi.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from scoring.partition import Extraction, Partition, has_think_tags, partition_turn
 from scoring.samplers import Trajectory, Turn
@@ -90,3 +92,34 @@ def ingest_warnings(payload: BatchIn, extraction: Extraction) -> list[str]:
     if all(t.reward is None for t in payload.trajectories):
         warnings.append(f"all {len(payload.trajectories)} rewards are missing (null): no reward figures")
     return warnings
+
+
+EXCERPTS = 3  # reasoning texts the run page shows per prompt
+EXCERPT_CHARS = 400
+
+
+def reasoning_excerpts(
+    payload: BatchIn,
+    sources: Sequence[tuple[int, int]],
+    column_of_row: Sequence[int],
+    n_columns: int,
+    extraction: Extraction,
+) -> list[list[str]]:
+    """[N] per column, the first ``EXCERPTS`` non-empty reasoning texts of its rows in scoring order,
+    each cut at ``EXCERPT_CHARS``: the reasoning as the run's extraction read it (none from token ids).
+
+    Cut when the batch is scored and stored with its matrix, so that reading the matrix never
+    parses the payload again; only the turns shown are split.
+    """
+    per_group = group_extractions(payload, extraction)
+    out: list[list[str]] = [[] for _ in range(n_columns)]
+    for (m, k), column in zip(sources, column_of_row, strict=True):
+        if len(out[column]) >= EXCERPTS:
+            continue
+        trajectory = payload.trajectories[m]
+        turn = trajectory.turns[k]
+        part = turn_partition(turn, per_group[trajectory.group_id])
+        text = turn.reasoning if part is None else part.z
+        if excerpt := (text or "")[:EXCERPT_CHARS].strip():
+            out[column].append(excerpt)
+    return out

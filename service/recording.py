@@ -96,4 +96,4 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
     save_matrices(session, run.id, batch.id, step, scored.matrices)
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
     lost = {name: result.lost_group_ids for name, result in (scored.result.samplers or {}).items() if result.metrics}
-    update_alerts(session, run, step, samplers, settings, lost)
+    update_alerts(session, run, step, samplers, settings, lost, batch.segment)

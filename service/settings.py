@@ -100,6 +100,12 @@ class Settings(BaseSettings):
         description="Diagnostic series one /metrics scrape exports at most (whole runs, the most recently updated "
         "first); the rest is counted in collapse_monitor_series_dropped.",
     )
+    metrics_cache_seconds: float = Field(
+        5.0,
+        ge=0,
+        description="How long one /metrics snapshot (aggregates over whole tables) is served before the database is "
+        "read again; concurrent scrapes share one read. Prometheus scrapes every 15 s. 0 reads at every scrape.",
+    )
     rate_limit_per_second: float = Field(
         50.0,
         ge=0,
@@ -147,6 +153,25 @@ class Settings(BaseSettings):
     max_text_chars: int = Field(400_000, ge=1, description="Characters per prompt or response text.")
     max_token_ids: int = Field(65536, ge=1, description="Token ids per prompt or reasoning.")
     max_matrix_cells: int = Field(4_000_000, ge=1, description="R x N cells of an uploaded matrix.")
+    max_matrix_rows: int = Field(
+        16_384,
+        ge=2,
+        description="Rows (R, reasoning traces) of an uploaded matrix; beyond it 413, before any numerical work. "
+        "The bootstrap resamples R rows 1000 times (~1 s at this limit on one busy core); the cell limit alone "
+        "admitted 2M rows of 2 columns.",
+    )
+    max_matrix_columns: int = Field(
+        4096, ge=2, description="Columns (N, distinct prompt groups) of an uploaded matrix; beyond it 413."
+    )
+    max_filter_groups: int = Field(
+        10_000,
+        ge=1,
+        description="Reward groups of one POST /v1/filter (open to any reader); beyond it 413. 10,000 groups "
+        "take ~0.1 s of one core.",
+    )
+    max_filter_rewards: int = Field(
+        1_000_000, ge=1, description="Rewards (all groups together) of one POST /v1/filter; beyond it 413."
+    )
 
     auth: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -71,6 +71,7 @@ def settings_for(tmp_path, monkeypatch):
             "default_scorer": "tiny-random",
             "worker_poll_seconds": 0.05,
             "allowed_hosts": ["testserver"],  # the Host header TestClient sends
+            "metrics_cache_seconds": 0,  # tests read /metrics right after writing; its cache has tests of its own
         } | overrides
         return Settings(_env_file=None, **values)
 

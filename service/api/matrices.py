@@ -8,16 +8,13 @@ import numpy as np
 from fastapi import APIRouter, Query
 
 from scoring.estimators import prompt_posterior
-from scoring.partition import split_turn
 from service.api.deps import ReadsRun, State
 from service.errors import NotFound
-from service.schemas import INT32_MAX, BatchIn, MatrixResponse, PromptDetail
+from service.schemas import INT32_MAX, MatrixResponse, PromptDetail
 from service.storage import matrices, queries
 from service.storage.tables import Batch, Run, ScoreMatrix
 
 router = APIRouter(tags=["runs"])
-EXCERPTS = 3  # reasoning texts shown per prompt
-EXCERPT_CHARS = 400
 
 
 @router.get(
@@ -66,13 +63,15 @@ def _response(run: str, matrix: ScoreMatrix, batch: Batch) -> MatrixResponse:
     own = np.asarray(matrix.column_of_row, dtype=np.int64)
     order = np.argsort(own, kind="stable")  # rows grouped by their prompt, scoring order within
     result = (batch.result or {}).get("samplers", {}).get(matrix.sampler, {})
-    texts = _reasoning_texts(batch, matrix.row_sources, matrix.n_rows)
+    # Cut when the batch was scored (service.reasoning.reasoning_excerpts); none for uploaded matrices and
+    # for matrices stored before they were kept (reading them from the payload parsed up to 32 MB a poll).
+    excerpts = matrix.excerpts or [[] for _ in range(matrix.n_columns)]
     per_prompt = [
         PromptDetail(
             **c,
             # H(Z|X) is minus the mean matched log-probability (as conditional_entropy_est), per prompt.
             conditional_entropy=-c["matched_mean"],
-            excerpts=[t for i in order if own[i] == c["column"] and (t := texts[i])][:EXCERPTS],
+            excerpts=excerpts[c["column"]],
         )
         for c in sorted(result.get("per_prompt", []), key=lambda c: c["mi_term"])
     ]
@@ -92,21 +91,3 @@ def _response(run: str, matrix: ScoreMatrix, batch: Batch) -> MatrixResponse:
         metrics=result.get("metrics", {}),
         per_prompt=per_prompt,
     )
-
-
-def _reasoning_texts(batch: Batch, sources: list[Any] | None, n_rows: int) -> list[str | None]:
-    """[R] the reasoning text of each row, in scoring order (None where only token ids were sent)."""
-    if not sources or batch.kind != "rollouts" or batch.payload_purged_at is not None:
-        return [None] * n_rows
-    payload = BatchIn.model_validate_json(batch.payload)
-    out: list[str | None] = []
-    for m, k in sources:
-        turn = payload.trajectories[m].turns[k]
-        if turn.reasoning is not None:
-            text = turn.reasoning
-        elif turn.response is not None:
-            text = split_turn(turn.prompt or "", turn.response)[1]
-        else:
-            text = None
-        out.append(text[:EXCERPT_CHARS].strip() if text else None)
-    return out

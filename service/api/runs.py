@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterator
 from typing import Annotated
 
 import orjson
 from fastapi import APIRouter, Body, Query, Response, status
+from fastapi.responses import StreamingResponse
 
 from service import ingest, runs
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
@@ -24,6 +26,7 @@ from service.schemas import (
     RunCreate,
     RunResponse,
 )
+from service.state import AppState
 from service.storage import queries
 from service.storage.tables import iso_time
 
@@ -170,7 +173,11 @@ def metric_series(
         ),
     ] = "current",
 ) -> Response | MetricSeries:
-    """Stored metric points of a run, ordered by step (JSON, or CSV with ``format=csv``)."""
+    """Stored metric points of a run, ordered by step (JSON, or CSV with ``format=csv``).
+
+    JSON and CSV are streamed as the points are read, a chunk at a time, so a read of up to ``limit``
+    points holds one chunk (a database failure after the first chunk cuts the body short).
+    """
     wanted = [n for n in (names or "").split(",") if n]
     samplers = [s for s in (sampler or "").split(",") if s]
     if format == "columns":
@@ -187,27 +194,53 @@ def metric_series(
         body = {"run": run, "series": series, "truncated": truncated}
         return Response(orjson.dumps(body), media_type="application/json")
     with state.sessions() as session:
-        target = runs.require_run(session, run)
-        points = [
-            MetricPointOut(
-                step=p.step,
-                segment=p.segment,
-                sampler=p.sampler,
-                name=p.name,
-                value=p.value,
-                scorer=p.scorer,
-                checkpoint=p.checkpoint,
-                time=iso_time(p.created_at) or "",
-            )
-            for p in queries.metric_series(
-                session, target.id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all"
-            )
-        ]
+        run_id = runs.require_run(session, run).id  # 404 before the body starts
+    all_segments = segments == "all"
+    query = (run_id, wanted, samplers, from_step, to_step, limit, all_segments)
     if format == "csv":
-        out = io.StringIO()
-        columns = [*CSV_COLUMNS, "segment"] if segments == "all" else CSV_COLUMNS
-        writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(p.model_dump() for p in points)
-        return Response(out.getvalue(), media_type="text/csv")
-    return MetricSeries(run=run, points=points)
+        return StreamingResponse(_csv_body(state, query), media_type="text/csv")
+    return StreamingResponse(_json_body(state, run, query), media_type="application/json")
+
+
+SeriesQuery = tuple[int, list[str], list[str], int | None, int | None, int, bool]
+
+
+def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]:
+    """``MetricSeries`` as JSON (its fields in order), written a chunk of points at a time."""
+    yield b'{"run":' + orjson.dumps(run) + b',"points":['
+    separator = b""
+    with state.sessions() as session:
+        for chunk in queries.metric_series(session, *query):
+            points = [
+                {
+                    "step": step,
+                    "segment": segment,
+                    "sampler": sampler,
+                    "name": name,
+                    "value": value,
+                    "scorer": scorer,
+                    "checkpoint": checkpoint,
+                    "time": iso_time(created) or "",
+                }
+                for step, segment, sampler, name, value, scorer, checkpoint, created in chunk
+            ]
+            yield separator + orjson.dumps(points)[1:-1]
+            separator = b","
+    yield b"]}"
+
+
+def _csv_body(state: AppState, query: SeriesQuery) -> Iterator[str]:
+    """The points as CSV (``CSV_COLUMNS``, then ``segment`` with segments=all), a chunk at a time."""
+    all_segments = query[-1]
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([*CSV_COLUMNS, "segment"] if all_segments else CSV_COLUMNS)
+    with state.sessions() as session:
+        for chunk in queries.metric_series(session, *query):
+            for step, segment, sampler, name, value, scorer, checkpoint, created in chunk:
+                row = [step, sampler, name, value, scorer, checkpoint, iso_time(created) or ""]
+                writer.writerow([*row, segment] if all_segments else row)
+            yield out.getvalue()
+            out.seek(0)
+            out.truncate()
+    yield out.getvalue()

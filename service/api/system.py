@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from scoring.snr_filter import filter_groups
 from service.api.deps import AccessFirst, Caller, ReadsNoRunData, State
+from service.errors import TooLarge
 from service.metrics import EXPORTED, NAMESPACE
 from service.schemas import CatalogueEntry, CatalogueResponse, FilterRequest, FilterResponse
 from service.state import AppState
@@ -61,8 +62,30 @@ def catalogue() -> CatalogueResponse:
     )
 
 
-@router.post("/v1/filter", tags=["filter"], dependencies=[ReadsNoRunData])
-def snr_filter(body: FilterRequest) -> FilterResponse:
-    """Which prompt groups RAGEN's SNR-aware filter keeps, and its rollout/... metrics."""
+@router.post(
+    "/v1/filter",
+    tags=["filter"],
+    dependencies=[ReadsNoRunData],
+    responses={413: {"description": "Over max_filter_groups or max_filter_rewards"}},
+)
+def snr_filter(state: State, body: FilterRequest) -> FilterResponse:
+    """Which prompt groups RAGEN's SNR-aware filter keeps, and its rollout/... metrics.
+
+    A def handler: the work (linear in the rewards) runs in the thread pool, not on the event loop.
+    """
+    settings = state.settings
+    if len(body.rewards) > settings.max_filter_groups:
+        raise TooLarge(
+            f"a filter request may hold at most {settings.max_filter_groups} groups (max_filter_groups), "
+            f"got {len(body.rewards)}",
+            field="rewards",
+        )
+    n_rewards = sum(len(group) for group in body.rewards)
+    if n_rewards > settings.max_filter_rewards:
+        raise TooLarge(
+            f"a filter request may hold at most {settings.max_filter_rewards} rewards (max_filter_rewards), "
+            f"got {n_rewards}",
+            field="rewards",
+        )
     result = filter_groups(body.rewards, body.filter_config())
     return FilterResponse(**vars(result))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from service.storage.tables import Batch, ScoreMatrix
 
@@ -24,6 +24,7 @@ class MatrixRecord:
     column_of_row: Sequence[int] | np.ndarray  # [R]
     column_labels: Sequence[int]  # [N] prompt group ids
     row_sources: Sequence[tuple[int, int]] | None = None  # [R] (trajectory, turn); None when sent as a matrix
+    excerpts: Sequence[Sequence[str]] | None = None  # [N] reasoning excerpts per column (reasoning_excerpts)
 
 
 def save_matrices(session: Session, run_id: int, batch_id: str, step: int, records: Sequence[MatrixRecord]) -> None:
@@ -42,13 +43,21 @@ def save_matrices(session: Session, run_id: int, batch_id: str, step: int, recor
                 column_of_row=[int(c) for c in record.column_of_row],
                 column_labels=[int(c) for c in record.column_labels],
                 row_sources=[[int(m), int(k)] for m, k in record.row_sources] if record.row_sources else None,
+                excerpts=[list(texts) for texts in record.excerpts] if record.excerpts is not None else None,
             )
         )
 
 
 def matrix_at(session: Session, run_id: int, sampler: str | None, step: int | None) -> tuple[ScoreMatrix, Batch] | None:
-    """The matrix of ``sampler`` (any when None) at ``step`` (the newest when None), with its batch."""
-    query = select(ScoreMatrix, Batch).join(Batch, Batch.id == ScoreMatrix.batch_id)
+    """The matrix of ``sampler`` (any when None) at ``step`` (the newest when None), with its batch.
+
+    The batch's payload (up to 32 MB) is not read: the heatmap's excerpts are stored with the matrix.
+    """
+    query = (
+        select(ScoreMatrix, Batch)
+        .join(Batch, Batch.id == ScoreMatrix.batch_id)
+        .options(defer(Batch.payload, raiseload=True))
+    )
     query = query.where(ScoreMatrix.run_id == run_id)
     if sampler is not None:
         query = query.where(ScoreMatrix.sampler == sampler)

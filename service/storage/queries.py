@@ -23,6 +23,7 @@ from sqlalchemy.sql.functions import FunctionElement
 from scoring.estimators import EmaState
 from service.storage.tables import (
     Alert,
+    AlertCheckpoint,
     AlertDelivery,
     Batch,
     Checkpoint,
@@ -501,6 +502,10 @@ def save_ema(session: Session, run_id: int, sampler: str, step: int, ema: EmaSta
     record.step, record.marginal_std, record.marginal_std_seq = step, ema.marginal_std, ema.marginal_std_seq
 
 
+SeriesRow = tuple[int, int, str, str, float, str | None, str | None, datetime]  # step, segment, sampler, name,
+# value, scorer, checkpoint, created_at
+
+
 def metric_series(
     session: Session,
     run_id: int,
@@ -510,9 +515,24 @@ def metric_series(
     to_step: int | None,
     limit: int,
     all_segments: bool = False,
-) -> Sequence[MetricPoint]:
-    """A run's points in step order: the ones in force, or with ``all_segments`` the superseded ones too."""
-    query = select(MetricPoint).where(MetricPoint.run_id == run_id)
+    chunk_rows: int = 10_000,
+) -> Iterator[list[SeriesRow]]:
+    """A run's points in step order, ``chunk_rows`` at a time: the ones in force, or with ``all_segments``
+    the superseded ones too.
+
+    Plain rows fetched as the caller consumes them (a server-side cursor on Postgres), so a read
+    of up to a million points holds one chunk at a time: as ORM objects it held ~1 KB a point.
+    """
+    query = select(
+        MetricPoint.step,
+        MetricPoint.segment,
+        MetricPoint.sampler,
+        MetricPoint.name,
+        MetricPoint.value,
+        MetricPoint.scorer,
+        MetricPoint.checkpoint,
+        MetricPoint.created_at,
+    ).where(MetricPoint.run_id == run_id)
     if not all_segments:
         query = query.where(_visible(segment_ends(session, run_id)))
     if names:
@@ -526,7 +546,8 @@ def metric_series(
     query = query.order_by(
         MetricPoint.step, MetricPoint.segment, MetricPoint.sampler, MetricPoint.name, MetricPoint.id
     ).limit(limit)
-    return session.scalars(query).all()
+    for partition in session.execute(query.execution_options(yield_per=chunk_rows)).partitions():
+        yield [tuple(row) for row in partition]  # type: ignore[misc]  # the selected columns, in order
 
 
 def metric_columns(
@@ -663,17 +684,93 @@ def scoring_stats(session: Session) -> dict[str, Any]:
 def alert_series(
     session: Session, run_id: int, sampler: str, names: Sequence[str]
 ) -> dict[str, list[tuple[int, float]]]:
-    """[(step, value)] per name for one (run, sampler), ascending steps, superseded segments left out."""
-    rows = session.execute(
-        select(MetricPoint.name, MetricPoint.step, MetricPoint.value)
-        .where(MetricPoint.run_id == run_id, MetricPoint.sampler == sampler, MetricPoint.name.in_(set(names)))
-        .where(_visible(segment_ends(session, run_id)))
-        .order_by(MetricPoint.name, MetricPoint.step, MetricPoint.segment)
-    ).all()
+    """[(step, value)] per name for one (run, sampler), ascending steps, superseded segments left out.
+
+    A run's whole history: read when its rules are replayed from the start (``alert_series_after``
+    serves the steps after a checkpoint). Two points of one step (two batches sent for it) come in
+    the order they were written; the rules take the later one.
+    """
+    return _series(
+        session.execute(
+            select(MetricPoint.name, MetricPoint.step, MetricPoint.value)
+            .where(MetricPoint.run_id == run_id, MetricPoint.sampler == sampler, MetricPoint.name.in_(set(names)))
+            .where(_visible(segment_ends(session, run_id)))
+            .order_by(MetricPoint.name, MetricPoint.step, MetricPoint.segment, MetricPoint.id)
+        ).all()
+    )
+
+
+def alert_series_after(
+    session: Session, run_id: int, sampler: str, names: Sequence[str], segment: int, step: int
+) -> dict[str, list[tuple[int, float]]]:
+    """``alert_series`` of the points of ``segment`` after ``step``: what a checkpoint at ``step`` lacks.
+
+    No other segment's point can be both visible and after the checkpoint: a later segment would
+    have ended the checkpoint, and an earlier one's visible points all lie before the current
+    segment's first step. One range of the (run, sampler, name, step) index per name.
+    """
+    return _series(
+        session.execute(
+            select(MetricPoint.name, MetricPoint.step, MetricPoint.value)
+            .where(
+                MetricPoint.run_id == run_id,
+                MetricPoint.sampler == sampler,
+                MetricPoint.name.in_(set(names)),
+                MetricPoint.step > step,
+                MetricPoint.segment == segment,
+            )
+            .order_by(MetricPoint.name, MetricPoint.step, MetricPoint.id)
+        ).all()
+    )
+
+
+def _series(rows: Sequence[Any]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
     for name, step, value in rows:
         series.setdefault(name, []).append((int(step), float(value)))
     return series
+
+
+def current_segment(session: Session, run_id: int) -> int:
+    """The run's segment as stored now (a Run loaded earlier in the transaction may predate advance_segment)."""
+    return int(session.scalar(select(Run.segment).where(Run.id == run_id)) or 0)
+
+
+def lock_alert_checkpoint(session: Session, run_id: int, sampler: str) -> AlertCheckpoint:
+    """The (run, sampler)'s alert checkpoint, locked until the transaction ends; created empty if absent.
+
+    Postgres: ``FOR UPDATE`` waits for a transaction holding it, and a first insert for a concurrent
+    one of the same key, so two transactions evaluating one (run, sampler) take turns and the second
+    reads the first's checkpoint and points. SQLite: the caller already holds the write lock.
+    """
+    query = (
+        select(AlertCheckpoint)
+        .where(AlertCheckpoint.run_id == run_id, AlertCheckpoint.sampler == sampler)
+        .with_for_update()
+        .execution_options(populate_existing=True)
+    )
+    checkpoint = session.scalar(query)
+    if checkpoint is not None:
+        return checkpoint
+    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    session.execute(
+        dialect_insert(AlertCheckpoint)
+        .values(run_id=run_id, sampler=sampler, rules_key="", segment=0, step=-1, state=None, updated_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["run_id", "sampler"])
+    )
+    checkpoint = session.scalar(query)
+    assert checkpoint is not None  # inserted above or by a transaction that committed meanwhile
+    return checkpoint
+
+
+def alerts_at(session: Session, run_id: int, sampler: str, onsets: Iterable[int]) -> Sequence[Alert]:
+    """The alerts of one (run, sampler) that began at any of ``onsets`` (the episodes a step touched)."""
+    wanted = set(onsets)
+    if not wanted:
+        return []
+    return session.scalars(
+        select(Alert).where(Alert.run_id == run_id, Alert.sampler == sampler, Alert.onset_step.in_(wanted))
+    ).all()
 
 
 def alerts_of(session: Session, run_id: int, sampler: str) -> Sequence[Alert]:

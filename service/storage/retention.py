@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from service.storage.tables import (
     Alert,
+    AlertCheckpoint,
     AlertDelivery,
     Batch,
     Checkpoint,
@@ -39,6 +40,7 @@ def delete_run(session: Session, run_id: int) -> dict[str, int]:
     statements = {
         "alert_deliveries": delete(AlertDelivery).where(AlertDelivery.alert_id.in_(alerts)),
         "alerts": delete(Alert).where(Alert.run_id == run_id),
+        "alert_checkpoints": delete(AlertCheckpoint).where(AlertCheckpoint.run_id == run_id),
         "score_matrices": delete(ScoreMatrix).where(ScoreMatrix.run_id == run_id),
         "metric_points": delete(MetricPoint).where(MetricPoint.run_id == run_id),
         "latest_metrics": delete(LatestMetric).where(LatestMetric.run_id == run_id),

@@ -202,6 +202,26 @@ class Alert(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class AlertCheckpoint(Base):
+    """The alert rules' state of one (run, sampler) after its newest evaluated step (``alert_rules.Replay``).
+
+    The next step's evaluation resumes from it and reads only the points after ``step``, while the
+    run stays in ``segment`` under the same rules (``rules_key``); otherwise it replays the whole
+    history and writes a new one. The row is locked while a step is evaluated, so evaluations of
+    one (run, sampler) take turns; ``state`` is None until the first evaluation.
+    """
+
+    __tablename__ = "alert_checkpoints"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    sampler: Mapped[str] = mapped_column(String(32), primary_key=True)
+    rules_key: Mapped[str] = mapped_column(String(64), default="")
+    segment: Mapped[int] = mapped_column(Integer, default=0)
+    step: Mapped[int] = mapped_column(Integer, default=-1)
+    state: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class AlertDelivery(Base):
     """A notification owed to a receiver; retried with backoff until delivered, never dropped."""
 
@@ -254,6 +274,9 @@ class ScoreMatrix(Base):
     column_of_row: Mapped[list[Any]] = mapped_column()  # [n_rows] each row's own column
     column_labels: Mapped[list[Any]] = mapped_column()  # [n_columns] the prompt group id of each column
     row_sources: Mapped[list[Any] | None] = mapped_column(JSON)  # [n_rows] (trajectory, turn); None for matrices
+    # [n_columns] the first reasoning excerpts of each column's rows, cut at scoring time under the
+    # run's reasoning_extraction; None for uploaded matrices (no text) and for those stored before 0010.
+    excerpts: Mapped[list[Any] | None] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -12,6 +12,7 @@ from service.access import issue_token
 from service.storage.tables import (
     AccessState,
     Alert,
+    AlertCheckpoint,
     AlertDelivery,
     ApiToken,
     Base,
@@ -32,7 +33,18 @@ pytestmark = pytest.mark.integration
 # Five healthy steps, then three without input dependence: TemplateCollapse fires (as tests/docker).
 DEPENDENCE = [1.5] * 5 + [0.0] * 3
 # Every table that holds rows of a run (ScorerLimits, ApiToken and AccessState belong to no run).
-OWNED = (Run, Batch, MetricPoint, LatestMetric, EmaRecord, Alert, AlertDelivery, ScoreMatrix, Checkpoint)
+OWNED = (
+    Run,
+    Batch,
+    MetricPoint,
+    LatestMetric,
+    EmaRecord,
+    Alert,
+    AlertCheckpoint,
+    AlertDelivery,
+    ScoreMatrix,
+    Checkpoint,
+)
 
 
 def test_every_table_is_either_owned_by_a_run_or_listed_as_shared():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import random
+
 import pytest
 
-from service.alert_rules import AlertSettings, evaluate
+from service.alert_rules import AlertSettings, Episode, Replay, Rewind, evaluate
 
 # These series are mi_zscore_ema's, written for the settings before the corpus calibration (issue 12).
 ZSCORE = AlertSettings(signal="mi_zscore_ema", drop_fraction=0.4, window=3, use_intervals=True)
@@ -181,3 +184,100 @@ def test_the_cusum_stays_quiet_on_noise_around_the_baseline_and_without_standard
     assert evaluate("r", "s", cusum_series(mi), AlertSettings(signal="mi_cusum")) == []
     no_se = {k: v for k, v in cusum_series([0.6] * 5 + [0.0] * 5).items() if k != "mi_estimate_se"}
     assert evaluate("r", "s", no_se, AlertSettings(signal="mi_cusum")) == []
+
+
+def random_history(rng, n_steps, sampler):
+    """Series with regimes (healthy, input dependence gone, entropy gone, rewards flat, no reasoning),
+    each series missing at some steps."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    regime = 0
+    for step in range(1, n_steps + 1):
+        regime = rng.randrange(5) if rng.random() < 0.1 else regime
+        low, flat = regime == 1, regime == 2
+        values = (
+            {
+                "rollout/in_group_reward_std": 0.01 if regime == 3 else rng.uniform(0.3, 1),
+                "zero_variance_group_ratio": rng.choice([0.0, 0.2, 0.8] if regime == 3 else [0.0, 0.2]),
+                "rollout/filter_kept_ratio": rng.random(),
+                "valid_thinking_rate": 0.0 if regime == 4 else rng.choice([0.0, 0.5, 1.0]),
+                "truncated_think_ratio": rng.choice([0.0, 0.3]),
+            }
+            if sampler == "all"
+            else {
+                "mi_estimate": (0.05 if low else 0.6) + rng.gauss(0, 0.05),
+                "mi_estimate_se": abs(rng.gauss(0.05, 0.02)),
+                "mi_estimate_ci_high": (0.1 if low else 0.7) + rng.gauss(0, 0.1),
+                "conditional_entropy_est": 2.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.2),
+                "token_entropy_mean": 1.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.1),
+                "retrieval_above_chance": (0.0 if low else 0.5) + rng.gauss(0, 0.05),
+                "mi_zscore_ema": (0.5 if low else 4.0) + rng.gauss(0, 0.3),
+            }
+        )
+        for name, value in values.items():
+            if rng.random() < 0.93:
+                series.setdefault(name, []).append((step, value))
+    return series
+
+
+def after(series, done, upto):
+    return {name: [(s, v) for s, v in points if done < s <= upto] for name, points in series.items()}
+
+
+def reconcile_whole(stored, episodes):
+    """What storage keeps after a whole replay (alert_state): pending episodes that vanished go, others stay."""
+    found = {(e.rule, e.onset_step): e for e in episodes}
+    kept = {key: e for key, e in stored.items() if key in found or e.state != "pending"}
+    return kept | found
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_resuming_a_replay_from_its_saved_state_gives_what_the_whole_history_gives(seed):
+    rng = random.Random(seed)
+    sampler = "all" if seed % 3 == 0 else "first_turn"
+    config = AlertSettings(
+        signal=rng.choice(["retrieval_above_chance", "mi_cusum", "mi_zscore_ema", "mi_estimate"]),
+        baseline_steps=rng.choice([1, 3, 5]),
+        window=rng.choice([1, 2, 3]),
+        resolve_window=rng.choice([1, 2]),
+        reward_window=rng.choice([2, 10]),
+        use_intervals=rng.random() < 0.5,
+        entropy_signal=rng.choice(["conditional_entropy_est", "token_entropy_mean"]),
+        cusum_threshold=2.0,
+    )
+    n_steps = 300
+    series = random_history(rng, n_steps, sampler)
+    stored: dict[tuple[str, int], Episode] = {}
+    whole: dict[tuple[str, int], Episode] = {}
+    state, done = None, 0
+    while done < n_steps:
+        upto, lost = min(n_steps, done + rng.choice([1, 1, 2, 7])), rng.choice([None, [], [2, 5]])
+        try:
+            replay = Replay("r", sampler, config, state)
+            replay.feed(after(series, done, upto))
+            for key in replay.dropped:
+                if key in stored and stored[key].state == "pending":
+                    del stored[key]
+            stored |= {(e.rule, e.onset_step): e for e in replay.episodes(lost)}
+        except Rewind:  # the intervals appeared late: the history is replayed, as storage then does
+            replay = Replay("r", sampler, config)
+            replay.feed(after(series, 0, upto))
+            stored = reconcile_whole(stored, replay.episodes(lost))
+        state = json.loads(json.dumps(replay.state()))  # stored as JSON between steps
+        whole = reconcile_whole(whole, evaluate("r", sampler, after(series, 0, upto), config, lost))
+        assert stored == whole, f"after step {upto}"
+        done = upto
+    assert whole  # the history raised alerts
+
+
+def test_intervals_that_appear_after_steps_were_judged_without_them_rewind_the_replay():
+    config = ZSCORE.model_copy(update={"window": 1})
+    history = template_series([4.0] * 5 + [1.0] * 5) | {
+        "mi_estimate": steps([0.6] * 10),
+        "mi_estimate_ci_high": [(9, 0.9), (10, 0.9)],
+    }
+    replay = Replay("r", "s", config)
+    replay.feed(after(history, 0, 8))  # no interval yet: the drop counts without the noise guard
+    assert [e.state for e in replay.episodes()] == ["firing"]
+    with pytest.raises(Rewind):
+        Replay("r", "s", config, json.loads(json.dumps(replay.state()))).feed(after(history, 8, 10))
+    assert evaluate("r", "s", history, config) == []  # with the noise guard none of the steps counts

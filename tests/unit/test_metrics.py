@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from service.metrics import EXPORTED, DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, catalogue_markdown
+from service.metrics import (
+    EXPORTED,
+    DiagnosticsCollector,
+    MetricsSnapshot,
+    ServiceMetrics,
+    SnapshotCache,
+    catalogue_markdown,
+)
 from service.storage.queries import SCORING_SECONDS_BUCKETS
 
 SCORING = {
@@ -126,3 +133,71 @@ def test_series_beyond_the_cap_are_left_out_whole_runs_at_a_time_and_counted():
     assert get("collapse_monitor_mi_estimate_nats", {"run": "old", "sampler": "first_turn"}) is None
     assert get("collapse_monitor_last_step", {"run": "old"}) is None
     assert get("collapse_monitor_series_dropped") == 3  # old's two gauges and its last_step
+
+
+class Clock:
+    """The one external thing the cache depends on, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_snapshot_cache_reads_once_per_period_and_never_keeps_a_failure():
+    clock = Clock()
+    answers: list[MetricsSnapshot | Exception] = [snapshot(), RuntimeError("down"), snapshot(batches={"queued": 7})]
+
+    def read() -> MetricsSnapshot:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    cache = SnapshotCache(read, seconds=5.0, clock=clock)
+    registry = registry_for(cache)
+    for _ in range(10):
+        assert registry.get_sample_value("collapse_monitor_queue_depth") == 2
+    assert cache.reads == 1
+    clock.now += 5.0
+    assert registry.get_sample_value("collapse_monitor_database_up") == 0  # read again, and it failed
+    assert registry.get_sample_value("collapse_monitor_queue_depth") == 7  # not kept: the next scrape reads
+    assert cache.reads == 2
+
+
+def test_a_database_outage_is_logged_when_it_starts_and_when_it_ends(caplog):
+    down = {"now": True}
+
+    def read() -> MetricsSnapshot:
+        if down["now"]:
+            raise ConnectionError("connection refused")
+        return snapshot()
+
+    registry = CollectorRegistry()
+    registry.register(DiagnosticsCollector(read, outage=lambda e: f"unreachable: {e}"))
+    with caplog.at_level("INFO", logger="collapse_monitor.metrics"):
+        for _ in range(30):
+            generate_latest(registry)
+        down["now"] = False
+        generate_latest(registry)
+        generate_latest(registry)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == (
+        "reading metrics: unreachable: connection refused; /metrics answers database_up 0 until it answers again"
+    )
+    assert lines[1].startswith("reading metrics: the database answers again after 30 failed scrapes in ")
+    assert len(lines) == 2
+    assert all(r.exc_info is None for r in caplog.records)  # no traceback for an outage
+
+
+def test_a_failure_that_is_not_an_outage_is_logged_with_its_traceback_once(caplog):
+    def read() -> MetricsSnapshot:
+        raise KeyError("bug")
+
+    registry = registry_for(read)
+    with caplog.at_level("INFO", logger="collapse_monitor.metrics"):
+        for _ in range(5):
+            generate_latest(registry)
+    assert len(caplog.records) == 1
+    assert caplog.records[0].exc_info is not None

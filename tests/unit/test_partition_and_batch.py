@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import time
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scoring.batch import BatchError, ScoringBatch
 from scoring.partition import Partition, partition_turn, split_turn, turn_token_ids
@@ -43,6 +48,44 @@ def test_split_turn_follows_ragen(prompt, response, x, z):
 )
 def test_partition_turn_per_extraction(prompt, response, extraction, expected):
     assert partition_turn(prompt, response, extraction) == expected
+
+
+_OLD_THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)  # the regex split_turn used before
+
+
+def old_split_turn(prompt, response):
+    """The regex implementation split_turn replaced (quadratic on repeated opens), kept as the oracle."""
+    start = response.find("<think>")
+    if start >= 0:
+        x, body = prompt + response[: start + len("<think>")], response[start:]
+    else:
+        x = prompt if prompt.rstrip().endswith("<think>") else prompt + "<think>"
+        body = "<think>" + response
+    match = _OLD_THINK_BLOCK.search(body)
+    text = match.group(1) if match else ""
+    for token in ("<think>", "</think>", "<answer>", "</answer>", "<|im_start|>", "<|im_end|>"):
+        text = text.replace(token, "")
+    return x, text.strip() if match else ""
+
+
+FRAGMENTS = st.sampled_from(["<think>", "</think>", "<think", "</", "<", ">", "think", "/", "a", " ", "\n", "<answer>"])
+TAGGED_TEXT = st.lists(FRAGMENTS, max_size=12).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(prompt=TAGGED_TEXT, response=TAGGED_TEXT)
+def test_split_turn_matches_the_old_regex_on_tag_fragments(prompt, response):
+    assert split_turn(prompt, response) == old_split_turn(prompt, response)
+
+
+def test_split_turn_is_linear_in_repeated_opening_tags():
+    # 20,000 opening tags and no close: the regex took ~58 s on this; find takes milliseconds.
+    response = "<think>" * 20_000 + "x" * 420_000
+    start = time.perf_counter()
+    for extraction in ("think_tags", "auto", "whole_response"):
+        partition_turn("P", response, extraction)
+    assert time.perf_counter() - start < 2.0
+    assert split_turn("P", response) == ("P<think>", "")
 
 
 def test_think_tags_extraction_is_ragens_split():

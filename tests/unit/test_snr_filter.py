@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from scoring.snr_filter import FilterConfig, filter_groups, group_stats
@@ -28,6 +29,31 @@ def test_group_statistics_use_n_minus_1_and_report_single_samples_as_no_spread()
 
 def test_two_sample_groups_have_the_textbook_std():
     assert group_stats([[0, 1]]).std[0] == pytest.approx(SQRT_HALF)
+
+
+def naive_group_stats(rewards):
+    """One numpy call per group and statistic (what group_stats did before its size blocks): the oracle."""
+    groups = [np.asarray(g, dtype=np.float64) for g in rewards]
+    return (
+        np.array([g.std(ddof=1) if g.size > 1 else 0.0 for g in groups]),
+        np.array([g.mean() for g in groups]),
+        np.array([g.max() for g in groups]),
+        np.array([g.sum() for g in groups]),
+        np.array([g.size for g in groups]),
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_group_statistics_by_size_block_equal_the_per_group_ones_bit_for_bit(seed):
+    rng = np.random.default_rng(seed)
+    rewards = [
+        list(rng.normal(size=int(rng.integers(1, 40))) * 10.0 ** rng.integers(-3, 4))
+        for _ in range(int(rng.integers(1, 60)))
+    ]
+    stats = group_stats(rewards)
+    got = (stats.std, stats.mean, stats.max, stats.sum, stats.sizes)
+    for ours, naive in zip(got, naive_group_stats(rewards), strict=True):
+        assert np.array_equal(ours, naive)
 
 
 def test_top_p_at_one_keeps_everything_with_zeros_and_only_spread_without():

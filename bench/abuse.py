@@ -1,0 +1,323 @@
+"""Valid but expensive requests against a real server: time and peak memory against request size (issue 17).
+
+    python bench/abuse.py [--vectors think_tags,matrix_rows,...] [--sizes small|full]
+
+Each measurement starts a fresh ``collapse-monitor serve`` (tiny-random scorer, SQLite in a
+throwaway folder; the embedded worker only where the vector involves it), warms it up with a
+small request of the same kind, resets the server's peak RSS (``/proc/<pid>/clear_refs``), sends
+the request and reads ``VmHWM`` against the ``VmRSS`` before it. Three sizes per vector: cost
+linear in size shows as a constant ``seconds_per_unit`` and ``rss_mb_per_unit``; a refused size
+shows its status and answer time. Prints one JSON object per vector.
+
+Vectors: think_tags (a batch whose 4 responses repeat ``<think>``; the POST, the longest concurrent
+GET, and the embedded worker's turn at it), matrix_rows, filter_groups, methods (made-up HTTP
+methods, then the size of /metrics), series_read (GET /v1/runs/{run}/metrics of N points),
+metrics_scrape (N runs' latest values; the first scrape and the cached ones), alert_step (a
+matrix step after N stored steps: the first, which replays the history once, and the next ones)
+and large_body (a rollouts batch of N MB of text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+from serving import database, served_process
+from sqlalchemy import create_engine, insert, select, update
+
+from service.storage.tables import Batch, LatestMetric, MetricPoint, Run
+
+JSON = {"content-type": "application/json"}
+
+
+@dataclass
+class Server:
+    base: str
+    pid: int
+    url: str  # its database
+
+    def rss_mb(self, field: str = "VmRSS") -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError(f"{field} missing from /proc/{self.pid}/status")
+
+    def reset_peak(self) -> None:
+        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+@contextmanager
+def server(worker: bool = False, **settings: str) -> Iterator[Server]:
+    with tempfile.TemporaryDirectory() as folder, database("sqlite", folder) as url:
+        env = {
+            "DATABASE_URL": url,
+            "DATA_DIR": folder,
+            "DEFAULT_SCORER": "tiny-random",
+            "EMBEDDED_WORKER": "true" if worker else "false",
+            "RATE_LIMIT_PER_SECOND": "0",  # measure the server's work, not the limiter
+            "WORKER_POLL_SECONDS": "0.05",
+        } | settings
+        with served_process(env) as (base, process):
+            yield Server(base, process.pid, url)
+
+
+def measured(srv: Server, request: Callable[[], httpx.Response]) -> dict[str, float | int]:
+    """One request's status, wall time and the server's peak RSS growth while it ran."""
+    srv.reset_peak()
+    before = srv.rss_mb()
+    start = time.perf_counter()
+    response = request()
+    seconds = time.perf_counter() - start
+    return {
+        "status": response.status_code,
+        "seconds": round(seconds, 3),
+        "rss_growth_mb": round(srv.rss_mb("VmHWM") - before, 1),
+    }
+
+
+def post(srv: Server, path: str, body: bytes) -> Callable[[], httpx.Response]:
+    return lambda: httpx.post(srv.base + path, content=body, headers=JSON, timeout=600)
+
+
+def think_tags_batch(tags: int) -> bytes:
+    response = "<think>" * tags + " and then" * (tags // 20)
+    trajectories = [
+        {"group_id": g, "reward": float(g), "turns": [{"prompt": f"Task {g}", "response": response}]} for g in range(4)
+    ]
+    return json.dumps({"step": 1, "trajectories": trajectories}).encode()
+
+
+def think_tags(tags: int) -> dict:
+    body = think_tags_batch(tags)
+    with server(worker=True) as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "warm"})
+        httpx.post(srv.base + "/v1/runs/warm/batches", content=think_tags_batch(10), headers=JSON)
+        httpx.post(srv.base + "/v1/runs", json={"name": "tags"})
+        waits: list[float] = []
+        done = threading.Event()
+
+        def poll_others() -> None:
+            with httpx.Client(base_url=srv.base, timeout=600) as other:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    other.get("/v1/runs")
+                    waits.append(time.perf_counter() - start)
+
+        poller = threading.Thread(target=poll_others)
+        poller.start()
+        result = measured(srv, post(srv, "/v1/runs/tags/batches", body))
+        start, status = time.perf_counter(), {}
+        while time.perf_counter() - start < 600:  # the embedded worker's turn at it (it fails: past the context)
+            status = _batch_of(srv, "tags")
+            if status.get("status") in ("done", "failed"):
+                break
+            time.sleep(0.05)
+        worker_seconds = time.perf_counter() - start
+        done.set()
+        poller.join()
+    return result | {
+        "bytes": len(body),
+        "longest_concurrent_get_seconds": round(max(waits), 3),
+        "worker_seconds_after_answer": round(worker_seconds, 2),
+        "worker_outcome": status.get("status"),
+    }
+
+
+def _batch_of(srv: Server, run: str) -> dict:
+    engine = create_engine(srv.url)
+    try:
+        with engine.connect() as connection:
+            row = connection.execute(
+                select(Batch.status).join(Run, Run.id == Batch.run_id).where(Run.name == run)
+            ).first()
+    finally:
+        engine.dispose()
+    return {"status": row[0]} if row else {}
+
+
+def matrix_body(rows: int, columns: int = 2, step: int = 1) -> bytes:
+    rng = np.random.default_rng(rows)
+    own = np.arange(rows) % columns
+    L = rng.normal(-20.0, 1.0, (rows, columns))
+    L[np.arange(rows), own] += 5.0
+    return json.dumps(
+        {"step": step, "row_group_ids": own.tolist(), "reasoning_lengths": [10] * rows, "L_seq": L.round(3).tolist()}
+    ).encode()
+
+
+def matrix_rows(rows: int) -> dict:
+    body = matrix_body(rows)
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "m"})
+        httpx.post(srv.base + "/v1/runs/m/matrices", content=matrix_body(64, step=0), headers=JSON)
+        return measured(srv, post(srv, "/v1/runs/m/matrices", body)) | {"bytes": len(body)}
+
+
+def filter_body(groups: int) -> bytes:
+    rng = np.random.default_rng(groups)
+    return json.dumps({"rewards": rng.random((groups, 4)).round(3).tolist()}).encode()
+
+
+def filter_groups(groups: int) -> dict:
+    body = filter_body(groups)
+    with server() as srv:
+        httpx.post(srv.base + "/v1/filter", content=filter_body(10), headers=JSON)
+        return measured(srv, post(srv, "/v1/filter", body)) | {"bytes": len(body)}
+
+
+def methods(requests: int) -> dict:
+    with server() as srv, httpx.Client(base_url=srv.base, timeout=60) as http:
+        before = len(http.get("/metrics").content)
+        start = time.perf_counter()
+        for i in range(requests):
+            http.request(f"X{i:05d}", "/nope")
+        seconds = time.perf_counter() - start
+        after = len(http.get("/metrics").content)
+    return {"seconds": round(seconds, 3), "metrics_bytes_before": before, "metrics_bytes_after": after}
+
+
+def seed(url: str, run: str, n_steps: int, names: list[str], sampler: str = "matrix") -> None:
+    """``n_steps`` stored steps of ``names`` for ``run`` (one batch each), written in bulk."""
+    engine = create_engine(url)
+    rng = np.random.default_rng(n_steps)
+    try:
+        with engine.begin() as connection:
+            run_id = connection.execute(select(Run.id).where(Run.name == run)).scalar_one()
+            ids = [uuid.uuid4().hex for _ in range(n_steps)]
+            rows = {"run_id": run_id, "kind": "matrix", "payload": "", "payload_sha256": "", "status": "done"}
+            connection.execute(insert(Batch), [rows | {"id": ids[k], "step": k} for k in range(n_steps)])
+            for start in range(0, n_steps, 5000):
+                points = [
+                    {"run_id": run_id, "batch_id": ids[k], "step": k, "sampler": sampler, "name": name}
+                    | {"value": float(0.5 + rng.normal(0, 0.05)), "scorer": "tiny-random"}
+                    for k in range(start, min(start + 5000, n_steps))
+                    for name in names
+                ]
+                connection.execute(insert(MetricPoint), points)
+            connection.execute(update(Run).where(Run.id == run_id).values(claimed_step=n_steps - 1))
+    finally:
+        engine.dispose()
+
+
+def series_read(points: int) -> dict:
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "s"})
+        seed(srv.url, "s", points // 10, [f"m{k}" for k in range(10)])
+        httpx.get(srv.base + "/v1/runs/s/metrics", params={"limit": 100})
+        sizes: list[int] = []
+
+        def read() -> httpx.Response:
+            response = httpx.get(srv.base + "/v1/runs/s/metrics", params={"limit": 1_000_000}, timeout=600)
+            sizes.append(len(response.content))
+            return response
+
+        return measured(srv, read) | {"bytes": sizes[0]}
+
+
+def metrics_scrape(runs: int) -> dict:
+    names = [f"metric_{k}" for k in range(20)]
+    with server(METRICS_CACHE_SECONDS="5") as srv:
+        engine = create_engine(srv.url)
+        with engine.begin() as connection:
+            run = {"scorer": "tiny-random", "scorer_mode": "reference", "samplers": []}
+            connection.execute(insert(Run), [run | {"name": f"run-{r}"} for r in range(runs)])
+            ids = connection.execute(select(Run.id)).scalars().all()
+            latest = [
+                {"run_id": i, "sampler": "matrix", "name": n, "step": 1, "value": 0.5} for i in ids for n in names
+            ]
+            connection.execute(insert(LatestMetric), latest)
+        engine.dispose()
+        with httpx.Client(base_url=srv.base, timeout=60) as http:
+            first = measured(srv, lambda: http.get("/metrics"))
+            cached = []
+            for _ in range(20):
+                start = time.perf_counter()
+                http.get("/metrics")
+                cached.append(time.perf_counter() - start)
+    return first | {"cached_scrape_seconds_median": round(statistics.median(cached), 4)}
+
+
+def alert_step(steps: int) -> dict:
+    names = ["mi_estimate", "mi_estimate_se", "mi_estimate_ci_high", "conditional_entropy_est"]
+    names += ["retrieval_above_chance", "marginal_std", "rows", "columns"]
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "a"})
+        seed(srv.url, "a", steps, names)
+        timings = [
+            measured(srv, post(srv, "/v1/runs/a/matrices", matrix_body(24, 4, step=steps + k))) for k in range(6)
+        ]
+    return {
+        "status": timings[0]["status"],
+        "first_step_seconds": timings[0]["seconds"],  # replays the stored history once, writes the checkpoint
+        "seconds": statistics.median(t["seconds"] for t in timings[1:]),  # resumed from the checkpoint
+        "rss_growth_mb": max(t["rss_growth_mb"] for t in timings[1:]),
+    }
+
+
+def large_body(megabytes: int) -> dict:
+    turn = {"prompt": "Board: the box is left of the goal. " * 20, "response": "<think>" + "plan " * 200 + "</think>Up"}
+    per_trajectory = len(json.dumps(turn))
+    n = megabytes * 2**20 // per_trajectory
+    batch = {"step": 1, "trajectories": [{"group_id": t % 64, "reward": 1.0, "turns": [turn]} for t in range(n)]}
+    body = json.dumps(batch).encode()
+    with server(MAX_TRAJECTORIES=str(n), MAX_SCORING_COST=str(10**12)) as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "b"})
+        small = {"step": 0, "trajectories": batch["trajectories"][:8]}
+        httpx.post(srv.base + "/v1/runs/b/batches", json=small)
+        return measured(srv, post(srv, "/v1/runs/b/batches", body)) | {"bytes": len(body)}
+
+
+VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
+    # name: (unit, measure, sizes, small sizes, a size the service refuses)
+    "think_tags": ("<think> per response", think_tags, [5000, 10_000, 20_000], [1000, 2000, 4000], None),
+    "matrix_rows": ("rows (2 columns)", matrix_rows, [4096, 8192, 16_384], [1024, 2048, 4096], 200_000),
+    "filter_groups": ("groups of 4 rewards", filter_groups, [2500, 5000, 10_000], [1000, 2000, 4000], 200_000),
+    "methods": ("made-up methods", methods, [100, 250, 500], [50, 100, 200], None),
+    "series_read": ("points", series_read, [25_000, 50_000, 100_000], [5000, 10_000, 20_000], None),
+    "metrics_scrape": ("runs of 20 series", metrics_scrape, [10, 100, 1000], [10, 30, 100], None),
+    "alert_step": ("stored steps", alert_step, [100, 1000, 10_000], [100, 300, 1000], None),
+    "large_body": ("MB of rollouts", large_body, [2, 4, 8], [1, 2, 4], None),
+}
+
+
+def run_vector(name: str, small: bool) -> dict:
+    unit, measure, sizes, small_sizes, refused = VECTORS[name]
+    points = []
+    for size in small_sizes if small else sizes:
+        point = {"size": size} | measure(size)
+        if "seconds" in point:
+            point["seconds_per_unit"] = float(f"{point['seconds'] / size:.3g}")
+        if "rss_growth_mb" in point:
+            point["rss_mb_per_unit"] = float(f"{point['rss_growth_mb'] / size:.3g}")
+        if "bytes" in point and "rss_growth_mb" in point:
+            point["rss_over_body"] = round(point["rss_growth_mb"] * 2**20 / point["bytes"], 2)
+        points.append(point)
+    out: dict = {"vector": name, "unit": unit, "points": points}
+    if refused is not None:
+        out["refused"] = {"size": refused} | measure(refused)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vectors", default=",".join(VECTORS), help="comma-separated: " + ", ".join(VECTORS))
+    parser.add_argument("--sizes", choices=["full", "small"], default="full", help="small: a quick smoke run")
+    args = parser.parse_args()
+    for name in args.vectors.split(","):
+        load = Path("/proc/loadavg").read_text().split()[:3]
+        print(json.dumps(run_vector(name, args.sizes == "small") | {"load_average": " ".join(load)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
