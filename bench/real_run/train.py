@@ -34,12 +34,12 @@ TINY_CHAT_TEMPLATE = (
 # The run's knobs: (type, the real run's value, the smoke mode's value, help). The one home of
 # these defaults: bench.real_run passes them on to every arm.
 OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
-    "steps": (int, 16, 4, "optimizer steps"),
+    "steps": (int, 10, 4, "optimizer steps"),
     "prompts": (int, 4, 3, "prompts per step"),
     "generations": (int, 3, 2, "completions per prompt (the GRPO group)"),
     "max_completion_length": (int, 48, 8, "tokens per completion at most"),
-    "learning_rate": (float, 3e-3, 1e-3, "LoRA learning rate (constant)"),
-    "entropy_coef": (float, 0.02, 0.02, "TRL's entropy bonus, the same in every arm"),
+    "learning_rate": (float, 2e-3, 1e-3, "LoRA learning rate (constant)"),
+    "entropy_coef": (float, 0.0, 0.0, "TRL's entropy bonus, the same in every arm"),
     "lora_rank": (int, 16, 4, "LoRA rank (alpha = 2 x rank, all linear layers)"),
     "every": (int, 1, 2, "the reference-scored runs' schedule: score step 1 and every N-th"),
     "policy_every": (int, 2, 2, "the policy-scored runs' schedule (each scored step loads a checkpoint)"),

@@ -23,16 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_smoke_run_trains_both_arms_and_every_scheduled_step_is_scored_by_both_scorers(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-    run = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "bench.real_run", "--smoke", "--out", str(tmp_path), "--work", str(tmp_path / "work")],
         cwd=ROOT,
         env={**env, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
-        check=False,
     )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        process.terminate()  # on SIGTERM the script stops its trainers and its service
+        stdout, stderr = process.communicate()
+        pytest.fail(f"the smoke run took over 600 s:\n{stdout[-2000:]}{stderr[-3000:]}")
+    assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert set(results["arms"]) == {"healthy", "consensus"}
     options = results["options"]
