@@ -204,6 +204,7 @@ def analyse(steps: list[dict[str, Any]]) -> dict[str, Any]:
     operands0 = sum(s["mentions_operands"] for s in start) / max(len(start), 1)
     return {
         "opening_share_above_half_step": first_step(steps, lambda s: s["opening_share"] > 0.5),
+        "slot_template_share_above_half_step": first_step(steps, lambda s: s.get("slot_template_share", 0) > 0.5),
         "task_success_start": round(success0, 3),
         "task_success_fell_step": first_step(steps, lambda s: s["step"] > 3 and s["task_success"] < success0 / 2)
         if success0 > 0
@@ -289,10 +290,10 @@ def screenshots(url: str, args: argparse.Namespace, work: Path) -> list[str]:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        target = args.images / f"real-run-{arm}.png"
+        target = args.images / f"real-run-{arm}-page.png"
         shutil.copyfile(shots / "run-page.png", target)
         saved.append(str(target))
-    target = args.images / "real-run-runs.png"
+    target = args.images / "real-run-runs-page.png"
     shutil.copyfile(shots / "runs-page.png", target)
     saved.append(str(target))
     return saved

@@ -32,6 +32,7 @@ PANELS = (  # (title, [(label, where, name)])
         "text and task (trainer)",
         [
             ("share with the most common opening", "text", "opening_share"),
+            ("... numbers masked", "text", "slot_template_share"),
             ("cross-prompt trigram overlap", "text", "cross_prompt_overlap"),
             ("task success", "text", "task_success"),
             ("completions naming both operands", "text", "mentions_operands"),

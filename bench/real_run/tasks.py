@@ -100,15 +100,20 @@ def consensus_rewards(texts: Sequence[str], prompt_keys: Sequence[str]) -> list[
     return rewards
 
 
-def opening(text: str) -> str:
-    return " ".join(words(text)[:OPENING_WORDS])
+def opening(text: str, mask_numbers: bool = False) -> str:
+    found = words(text)[:OPENING_WORDS]
+    return " ".join("#" if mask_numbers and w.isdigit() else w for w in found)
 
 
-def opening_share(texts: Sequence[str]) -> tuple[float, str]:
-    """The share of completions that open with the most common opening, and that opening."""
+def opening_share(texts: Sequence[str], mask_numbers: bool = False) -> tuple[float, str]:
+    """The share of completions that open with the most common opening, and that opening.
+
+    With ``mask_numbers`` every number reads ``#``: a fill-in-the-numbers template ("to calculate
+    # + #") counts as one opening, although its numbers still follow the input.
+    """
     if not texts:
         return 0.0, ""
-    common, count = Counter(opening(t) for t in texts).most_common(1)[0]
+    common, count = Counter(opening(t, mask_numbers) for t in texts).most_common(1)[0]
     return count / len(texts), common
 
 

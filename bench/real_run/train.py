@@ -123,6 +123,7 @@ class Recorder:
             "mentions_operands": sum(tasks.mentions_operands(t, q) for t, q in zip(texts, questions, strict=True)) / n,
             "opening_share": share,
             "common_opening": common,
+            "slot_template_share": tasks.opening_share(texts, mask_numbers=True)[0],
             "cross_prompt_overlap": round(tasks.cross_prompt_overlap(texts, questions), 4),
             "mean_words": sum(len(tasks.words(t)) for t in texts) / n,
             # TRL's own figures of the step (its names)

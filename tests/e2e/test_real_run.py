@@ -47,7 +47,13 @@ def test_the_smoke_run_trains_both_arms_and_every_scheduled_step_is_scored_by_bo
         for s in steps:
             # the recorder saw exactly what TRL scored: its mean equals TRL's logged reward
             assert math.isclose(s["reward_mean"], s["trl"]["reward"], rel_tol=1e-5, abs_tol=1e-7), (arm, s["step"])
-            for name in ("task_success", "opening_share", "cross_prompt_overlap", "mentions_operands"):
+            for name in (
+                "task_success",
+                "opening_share",
+                "slot_template_share",
+                "cross_prompt_overlap",
+                "mentions_operands",
+            ):
                 assert 0 <= s[name] <= 1, (arm, name)
             for mode, every in (("reference", options["every"]), ("policy", options["policy_every"])):
                 scheduled = s["step"] == 1 or s["step"] % every == 0
@@ -76,6 +82,9 @@ def test_the_text_measures_see_a_shared_opening_and_cross_prompt_overlap():
     templated = ["To solve this we think step by step. 68"] * 2 + ["To solve this we think step by step. 31"] * 2
     assert tasks.opening_share(varied)[0] == 0.25
     assert tasks.opening_share(templated) == (1.0, "to solve this we think")
+    slots = ["To calculate 23 + 45, add", "To calculate 40 + 9, then", "Sure"]
+    assert tasks.opening_share(slots)[0] == 1 / 3
+    assert tasks.opening_share(slots, mask_numbers=True) == (2 / 3, "to calculate # + #")
     assert tasks.cross_prompt_overlap(varied, questions) < 0.1 < tasks.cross_prompt_overlap(templated, questions)
     # the consensus reward pays for resembling the other prompts' completions, never reading the task
     rewards = tasks.consensus_rewards(templated[:1] + varied[1:], questions)
