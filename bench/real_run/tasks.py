@@ -3,8 +3,10 @@
 The tasks are two-number arithmetic questions with a checkable integer answer. Each arm pays its
 completions differently:
 
-* ``healthy``: graded correctness of the final number (1 when exact, less the further it is off),
-  so the completions of one prompt earn different rewards: the policy gradient has real signal.
+* ``healthy``, the task reward: graded correctness of the final number (1 when exact, less the
+  further it is off), so the completions of one prompt earn different rewards at first. At a high
+  learning rate this arm collapsed all the same once its rewards stopped varying (see "A real run
+  that collapses" in docs/benchmarks.md); at a low one it stayed healthy.
 * ``consensus``: the completion's word-bigram overlap with the completions written for the *other*
   prompts of the batch. It never reads the task, so the input-dependent part of a completion is
   worth nothing and whatever phrasing the batch shares is paid: the policy is driven towards one
