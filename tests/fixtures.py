@@ -1,15 +1,18 @@
 """Database and app fixtures (real SQLite and Postgres), shared by the integration and e2e tests.
 
-Each test gets a fresh Postgres database (created and dropped here). Under CI=true an unreachable
-Postgres fails the run instead of skipping it.
+Each test gets a fresh database (created and dropped here), cloned from one migrated per session
+(``empty_database_url`` / ``empty_postgres_url`` for the tests of migrations themselves). Under
+CI=true an unreachable Postgres fails the run instead of skipping it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,6 +20,7 @@ from sqlalchemy import create_engine, text
 
 from service.app import create_app
 from service.settings import Settings
+from service.storage.database import migrate
 
 PG_ADMIN_URL = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
@@ -33,25 +37,92 @@ def _postgres_or_skip() -> None:
         pytest.skip(f"Postgres at {PG_ADMIN_URL} is unreachable: {e}")
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
+class _Templates:
+    """Databases migrated once per session, cloned for each test (10 migrations per item cost minutes)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.sqlite: Path | None = None
+        self.postgres: str | None = None
+
+    def sqlite_copy(self, target: Path) -> str:
+        if self.sqlite is None:
+            self.sqlite = self.folder / "template.db"
+            migrate(f"sqlite:///{self.sqlite}")
+        shutil.copyfile(self.sqlite, target)
+        return f"sqlite:///{target}"
+
+    def postgres_template(self) -> str:
+        if self.postgres is None:
+            name = _create_postgres_database()
+            migrate(_postgres_url(name))  # disposes its engines: a template must have no open connection
+            self.postgres = name
+        return self.postgres
+
+
+def _postgres_url(name: str) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _create_postgres_database(template: str | None = None) -> str:
     _postgres_or_skip()
     name = f"cm_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
+        connection.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
+    admin.dispose()
+    return name
+
+
+def _drop_postgres_database(name: str) -> None:
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def _templates(tmp_path_factory) -> Iterator[_Templates]:
+    templates = _Templates(tmp_path_factory.mktemp("templates"))
+    yield templates
+    if templates.postgres is not None:
+        _drop_postgres_database(templates.postgres)
+
+
+@pytest.fixture
+def empty_postgres_url() -> Iterator[str]:
+    """A fresh Postgres database with no schema, dropped after the test."""
+    name = _create_postgres_database()
     try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+        yield _postgres_url(name)
     finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+        _drop_postgres_database(name)
+
+
+@pytest.fixture
+def postgres_url(_templates) -> Iterator[str]:
+    """A fresh Postgres database at the head revision (cloned from the session's migrated template)."""
+    name = _create_postgres_database(template=_templates.postgres_template())
+    try:
+        yield _postgres_url(name)
+    finally:
+        _drop_postgres_database(name)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request, tmp_path) -> str:
+def empty_database_url(request, tmp_path) -> str:
+    """A fresh database with no schema, on each backend: for the tests of migrations themselves."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'monitor.db'}"
+    url: str = request.getfixturevalue("empty_postgres_url")
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request, tmp_path, _templates) -> str:
+    """A fresh database at the head revision, on each backend."""
+    if request.param == "sqlite":
+        return _templates.sqlite_copy(tmp_path / "monitor.db")
     url: str = request.getfixturevalue("postgres_url")
     return url
 

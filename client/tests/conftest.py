@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from running_service import RunningService
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test here is marked ``client`` (``-m client`` runs them alone; ``scripts/test --fast`` skips them)."""
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.client)
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,8 @@ from service.storage.database import make_engine, outage
 pytestmark = pytest.mark.integration
 
 
-def test_readyz_says_migrations_are_pending_on_an_empty_database(client_for, database_url):
-    client = client_for(database_url, auto_migrate=False, scoring_paused=True)
+def test_readyz_says_migrations_are_pending_on_an_empty_database(client_for, empty_database_url):
+    client = client_for(empty_database_url, auto_migrate=False, scoring_paused=True)
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")
     assert ready.status_code == 503

@@ -263,7 +263,9 @@ def test_a_checkpoint_that_does_not_load_fails_its_batch_at_once(database_url, p
 
 def test_a_database_error_never_fails_a_batch_the_next_round_puts_it_back_uncounted(tmp_path, paused):
     url = f"sqlite:///{tmp_path / 'locked.db'}"
-    client, _, settings = paused(url, lease_seconds=300)
+    # A locked database is an outage: the finishing write is retried for as long as the lease lasts,
+    # so a short lease keeps this test short.
+    client, _, settings = paused(url, lease_seconds=4)
     client.post("/v1/runs", json={"name": "r", "sampler": LIGHT_SAMPLER})
     batch_id = post(client, "r", 1)
     # The worker's own engine gives up on a locked database after 0.2 s (the app's waits 30 s).

@@ -32,13 +32,13 @@ def tables(url) -> set[str]:
     return names - {"alembic_version"}
 
 
-def test_migrations_go_up_down_and_up_again(database_url):
-    migrate(database_url)
-    assert tables(database_url) >= TABLES
-    migrate(database_url, "base")
-    assert tables(database_url) == set()
-    migrate(database_url)
-    assert tables(database_url) >= TABLES
+def test_migrations_go_up_down_and_up_again(empty_database_url):
+    migrate(empty_database_url)
+    assert tables(empty_database_url) >= TABLES
+    migrate(empty_database_url, "base")
+    assert tables(empty_database_url) == set()
+    migrate(empty_database_url)
+    assert tables(empty_database_url) >= TABLES
 
 
 def test_the_migrated_schema_matches_the_models(database_url):

@@ -281,9 +281,9 @@ def test_an_ingest_token_for_team_a_covers_team_a_runs_and_not_team_admin(databa
     assert client.get("/v1/overview?runs=team-a,team-admin-x", headers=bearer(ingest)).status_code == 403
 
 
-def test_a_database_that_held_tokens_before_the_kept_fact_existed_keeps_writes_closed(database_url):
-    migrate(database_url, "0008")
-    engine = create_engine(database_url)
+def test_a_database_that_held_tokens_before_the_kept_fact_existed_keeps_writes_closed(empty_database_url):
+    migrate(empty_database_url, "0008")
+    engine = create_engine(empty_database_url)
     with engine.begin() as connection:
         connection.execute(
             text(
@@ -292,7 +292,7 @@ def test_a_database_that_held_tokens_before_the_kept_fact_existed_keeps_writes_c
             ),
             {"t": utcnow()},
         )
-    migrate(database_url)
+    migrate(empty_database_url)
     with engine.begin() as connection:
         connection.execute(text("DELETE FROM api_tokens"))
     with make_sessions(engine)() as session:
