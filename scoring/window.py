@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 from scoring.batch import ScoringBatch, Tokens
 
+# The default reasoning window (service setting and ``collapse-monitor score``): a pair then costs at most
+# ~512 tokens beyond its prompt, so a step's cost no longer grows with how long the policy reasons.
+DEFAULT_MAX_REASONING_TOKENS = 512
+
 
 @dataclass(frozen=True)
 class WindowCut:
@@ -50,6 +54,11 @@ class WindowCut:
     def truncated_reasoning_ratio(self) -> float:
         """Share of the scored rows whose reasoning was cut (0 when none has reasoning)."""
         return self.rows_cut / self.rows_with_reasoning if self.rows_with_reasoning else 0.0
+
+
+def sequence_limit(max_positions: int | None, max_batch_tokens: int) -> int:
+    """The most one (prompt, reasoning) sequence may hold: the scorer's context, or one forward's budget."""
+    return max_batch_tokens if max_positions is None else min(max_positions, max_batch_tokens)
 
 
 def fit_window(

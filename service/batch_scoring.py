@@ -14,6 +14,7 @@ from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, t
 from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
+from scoring.window import fit_window, sequence_limit
 from service.errors import InvalidRequest
 from service.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
 from service.recording import ALL, ScoredBatch
@@ -69,14 +70,16 @@ def score_rollouts(
         if rows is None:
             scored.skip_sampler(sampler, "no turn carries reasoning to score")
             continue
-        cross = score_batch(scorer, rows.batch, config, check)
+        limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
+        batch, cut = fit_window(rows.batch, settings.max_reasoning_tokens, limit)
+        cross = score_batch(scorer, batch, config, check)
         scored.tokens += cross.tokens_processed
         labels = _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload)
         diagnostics, ema = compute_diagnostics(
             cross.L_tok,
             cross.L_seq,
-            rows.batch.column_of_row,
-            rows.batch.column_prompts,
+            batch.column_of_row,
+            batch.column_prompts,  # prompts that windowing made identical count as one answer
             emas.get(sampler, EmaState()),
             EstimatorConfig(bootstrap_seed=run.seed + index),
             labels,
@@ -86,7 +89,7 @@ def score_rollouts(
             payload, rows.sources, rows.batch.column_of_row, cross.L_tok.shape[1], run.reasoning_extraction
         )
         matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources, excerpts)
-        scored.add_sampler(sampler, diagnostics, ema, matrix, entropy)
+        scored.add_sampler(sampler, diagnostics, ema, matrix, entropy, cut)
     samplers = scored.result.samplers or {}
     scored.result.scored = any(result.metrics for result in samplers.values())
     if not scored.result.scored:

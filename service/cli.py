@@ -38,6 +38,7 @@ from typing import Any, NoReturn, TypeVar, get_args
 from pydantic import BaseModel, ValidationError
 
 from scoring.config import Dtype, ScoringConfig
+from scoring.window import DEFAULT_MAX_REASONING_TOKENS
 from service.errors import field_path
 from service.schemas import (
     FilterRequest,
@@ -105,6 +106,13 @@ def _build_parser() -> _Parser:
     )
     score.add_argument(
         "--max-batch-tokens", type=int, default=_SCORING.max_batch_tokens, help="token budget of every forward"
+    )
+    score.add_argument(
+        "--max-reasoning-tokens",
+        type=int,
+        default=DEFAULT_MAX_REASONING_TOKENS,
+        help=f"reasoning window: longer reasoning is scored on its opening (default {DEFAULT_MAX_REASONING_TOKENS}; "
+        "0 scores whole reasonings up to the model's context)",
     )
     score.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="converted GGUF models")
     score.set_defaults(command=_run_score)
@@ -539,6 +547,7 @@ def _run_filter(args: argparse.Namespace) -> Any:
 def _run_score(args: argparse.Namespace) -> Any:
     from scoring import ScoringBatch, load_scorer, score_batch
     from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
+    from scoring.window import fit_window, sequence_limit
 
     rows = []
     for number, line in enumerate(_read(args.input).splitlines(), start=1):
@@ -569,7 +578,10 @@ def _run_score(args: argparse.Namespace) -> Any:
         groups.append(row.group_id)
     if not kept:
         raise UsageError("--input: every row has empty reasoning; nothing to score")
-    batch = _guard(lambda: ScoringBatch.from_rows(prompts, reasonings, groups))
+    window = args.max_reasoning_tokens or None
+    positions = sequence_limit(scorer.max_positions, config.max_batch_tokens)
+    whole = _guard(lambda: ScoringBatch.from_rows(prompts, reasonings, groups))
+    batch, cut = _guard(lambda: fit_window(whole, window, positions), "--max-reasoning-tokens: ")
     scores = _guard(lambda: score_batch(scorer, batch, config))
     diagnostics, _ = compute_diagnostics(
         scores.L_tok,
@@ -580,7 +592,8 @@ def _run_score(args: argparse.Namespace) -> Any:
         EstimatorConfig(),
         batch.column_group_ids,
     )
-    result = SamplerResult.of(diagnostics, batch.n_rows, batch.n_columns, token_entropy_stats(scores.token_entropy))
+    entropy = token_entropy_stats(scores.token_entropy)
+    result = SamplerResult.of(diagnostics, batch.n_rows, batch.n_columns, entropy, cut)
     return {
         "model": args.model,
         **result.model_dump(mode="json"),

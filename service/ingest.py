@@ -150,7 +150,7 @@ def check_groups(payload: BatchIn) -> None:
 
 def check_scoring_cost(payload: BatchIn, run: Run, settings: Settings) -> None:
     """413 when scoring the batch would cost more than ``max_scoring_cost`` (see ``scoring_cost``)."""
-    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every)
+    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, settings.max_reasoning_tokens)
     if cost > settings.max_scoring_cost:
         raise TooLarge(
             f"scoring this batch would cost about {cost} tokens (rows x columns x tokens per pair, summed over "
@@ -160,16 +160,19 @@ def check_scoring_cost(payload: BatchIn, run: Run, settings: Settings) -> None:
         )
 
 
-def scoring_cost(payload: BatchIn, samplers: list[str], num_samples: int | None, every: int) -> int:
+def scoring_cost(
+    payload: BatchIn, samplers: list[str], num_samples: int | None, every: int, window: int | None = None
+) -> int:
     """Tokens a naive scorer would run for this batch: per sampler, rows x columns x tokens of a pair.
 
     An upper bound of the kernel's work (which shares prompts) that grows as its time does. Text is
-    counted at ``CHARS_PER_TOKEN`` characters a token; 0 on steps the schedule does not score.
+    counted at ``CHARS_PER_TOKEN`` characters a token, reasoning up to the ``window`` scored; 0 on
+    steps the schedule does not score.
     """
     if not is_scheduled(payload.step, every):
         return 0
     turns = [turn for trajectory in payload.trajectories for turn in trajectory.turns]
-    tokens_per_pair = sum(_tokens(turn) for turn in turns) / len(turns)
+    tokens_per_pair = sum(_tokens(turn, window) for turn in turns) / len(turns)
     n_groups = len({trajectory.group_id for trajectory in payload.trajectories})
     cost = 0.0
     for sampler in samplers:
@@ -183,17 +186,20 @@ def scoring_cost(payload: BatchIn, samplers: list[str], num_samples: int | None,
 CHARS_PER_TOKEN = 3  # fewer than the ~4 of English BPE text, so that the estimate errs high
 
 
-def _tokens(turn: TurnWithEntropy) -> float:
+def _tokens(turn: TurnWithEntropy, window: int | None) -> float:
     prompt = (
         len(turn.prompt_token_ids) if turn.prompt_token_ids is not None else len(turn.prompt or "") / CHARS_PER_TOKEN
     )
     if turn.reasoning_token_ids is not None:
-        return prompt + len(turn.reasoning_token_ids)
-    return prompt + len(turn.response or turn.reasoning or "") / CHARS_PER_TOKEN
+        reasoning = float(len(turn.reasoning_token_ids))
+    else:
+        reasoning = len(turn.response or turn.reasoning or "") / CHARS_PER_TOKEN
+    return prompt + (reasoning if window is None else min(reasoning, window))
 
 
 def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
-    """400 for token ids the run's scorer cannot score: outside its vocabulary, or past its context.
+    """400 for token ids the run's scorer cannot score: outside its vocabulary (a pair past its context is
+    windowed by the worker, not refused).
 
     Known once a worker has loaded the scorer (it records its limits); text is tokenized, and
     checked, by the worker.
@@ -210,15 +216,6 @@ def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
                         f"token id {max(ids)} is outside the vocabulary of scorer {limits.name!r} "
                         f"({limits.vocab_size} tokens)",
                         field=f"{where}.{name}",
-                        index=t,
-                    )
-            if limits.max_positions is not None and turn.prompt_token_ids is not None:
-                length = len(turn.prompt_token_ids) + len(turn.reasoning_token_ids or ())
-                if length > limits.max_positions:
-                    raise InvalidRequest(
-                        f"prompt and reasoning hold {length} tokens, more than the context of scorer "
-                        f"{limits.name!r} ({limits.max_positions})",
-                        field=f"{where}.prompt_token_ids",
                         index=t,
                     )
 

@@ -71,6 +71,11 @@ EXPORTED = (
         "Share of turns whose think block was opened and never closed (cut by the length limit).",
     ),
     Exported(
+        "truncated_reasoning_ratio",
+        "truncated_reasoning_ratio",
+        "Share of the scored rows whose reasoning was cut to the reasoning window (max_reasoning_tokens).",
+    ),
+    Exported(
         "missing_reward_ratio", "missing_reward_ratio", "Share of trajectories sent with a null (missing) reward."
     ),
     Exported(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session
 
 from scoring.estimators import Diagnostics, EmaState
+from scoring.window import WindowCut
 from service.alert_state import update_alerts
 from service.runs import RunSnapshot
 from service.schemas import BatchResult, SamplerResult
@@ -49,22 +50,30 @@ class ScoredBatch:
         ema: EmaState,
         matrix: MatrixRecord,
         entropy: dict[str, float],
+        cut: WindowCut | None = None,
     ) -> None:
-        """One sampler's diagnostics: its result, its points, and its EMA and matrix when it scored anything."""
+        """One sampler's diagnostics: its result, its points, and its EMA and matrix when it scored anything.
+
+        ``cut`` is what the window cut from the rows the service scored (None for an uploaded matrix)."""
         rows, columns = matrix.L_tok.shape
         self.result.samplers = self.result.samplers or {}
-        self.result.samplers[sampler] = SamplerResult.of(diagnostics, rows, columns, entropy)
-        self.points.extend(sampler_points(sampler, diagnostics, entropy, rows, columns))
+        self.result.samplers[sampler] = SamplerResult.of(diagnostics, rows, columns, entropy, cut)
+        self.points.extend(sampler_points(sampler, diagnostics, entropy, rows, columns, cut))
         if diagnostics.metrics:
             self.ema[sampler] = ema
             self.matrices.append(matrix)
 
 
 def sampler_points(
-    sampler: str, diagnostics: Diagnostics, entropy: dict[str, float], rows: int, columns: int
+    sampler: str,
+    diagnostics: Diagnostics,
+    entropy: dict[str, float],
+    rows: int,
+    columns: int,
+    cut: WindowCut | None = None,
 ) -> list[Point]:
     """The stored series of one sampler's diagnostics: metrics, entropies, interval bounds, standard
-    errors, shape."""
+    errors, shape, and what the window cut."""
     values = dict(diagnostics.metrics)
     values.update(entropy)
     for name, (low, high) in diagnostics.intervals.items():
@@ -72,6 +81,9 @@ def sampler_points(
     for name, error in diagnostics.standard_errors.items():
         values[f"{name}_se"] = error
     values["rows"], values["columns"] = float(rows), float(columns)
+    if cut is not None:
+        values["truncated_reasoning_ratio"] = cut.truncated_reasoning_ratio
+        values["truncated_prompt_tokens"] = float(cut.prompt_tokens_cut)
     return [Point(sampler, name, float(value)) for name, value in values.items()]
 
 

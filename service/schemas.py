@@ -23,6 +23,7 @@ from pydantic import (
 from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, per_token
 from scoring.partition import Extraction
 from scoring.snr_filter import FilterConfig
+from scoring.window import WindowCut
 from service.alert_rules import AlertSettings, AlertState, RuleName, Severity
 
 # Integers stored in 32-bit columns (steps, seeds, counts) are bounded where they enter, so both
@@ -421,6 +422,28 @@ class PromptBreakdown(BaseModel):
         return cls.model_validate(vars(column))
 
 
+class WindowResult(BaseModel):
+    """What of the sampled (prompt, reasoning) pairs was scored: reasonings keep their opening, prompts their tail."""
+
+    max_reasoning_tokens: int | None = Field(
+        description="Reasoning tokens scored per row at most (the setting, narrowed to the scorer's context)."
+    )
+    truncated_reasoning_ratio: float = Field(description="Share of the scored rows whose reasoning was cut.")
+    reasoning_tokens_cut: int = Field(description="Reasoning tokens not scored, over all rows.")
+    prompt_tokens_cut: int = Field(description="Prompt tokens cut from the head of the distinct prompts.")
+    merged_columns: int = Field(description="Prompts that became identical to another once their head was cut.")
+
+    @classmethod
+    def of(cls, cut: WindowCut) -> WindowResult:
+        return cls(
+            max_reasoning_tokens=cut.max_reasoning_tokens,
+            truncated_reasoning_ratio=cut.truncated_reasoning_ratio,
+            reasoning_tokens_cut=cut.reasoning_tokens_cut,
+            prompt_tokens_cut=cut.prompt_tokens_cut,
+            merged_columns=cut.merged_columns,
+        )
+
+
 class SamplerResult(BaseModel):
     """What one sampler's cross-scoring of a batch says (``skipped_reason`` set when it scored nothing)."""
 
@@ -433,12 +456,21 @@ class SamplerResult(BaseModel):
         default_factory=list, description="Group ids of the prompts that lost input dependence (per_prompt)."
     )
     skipped_reason: str | None = None
+    window: WindowResult | None = Field(None, description="What the reasoning window and the context cut.")
 
     @classmethod
-    def of(cls, diagnostics: Diagnostics, rows: int, columns: int, entropy: dict[str, float]) -> SamplerResult:
+    def of(
+        cls,
+        diagnostics: Diagnostics,
+        rows: int,
+        columns: int,
+        entropy: dict[str, float],
+        cut: WindowCut | None = None,
+    ) -> SamplerResult:
         return cls(
             rows=rows,
             columns=columns,
+            window=None if cut is None else WindowResult.of(cut),
             metrics={**diagnostics.metrics, **entropy},
             intervals=dict(diagnostics.intervals),
             per_prompt=[PromptBreakdown.of(c) for c in diagnostics.columns],

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scoring.config import ScoringConfig
+from scoring.window import DEFAULT_MAX_REASONING_TOKENS
 
 _SCORING = ScoringConfig()  # scoring's defaults; the settings reuse them
 WILDCARD_BINDS = ("0.0.0.0", "::", "")  # every interface: clients reach it under names it cannot know
@@ -147,6 +148,14 @@ class Settings(BaseSettings):
         description="Request body bytes parsed at once, all requests together: parsing holds up to ~9x a body's "
         "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
         "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
+    )
+    max_reasoning_tokens: int | None = Field(
+        DEFAULT_MAX_REASONING_TOKENS,
+        ge=2,
+        description="Reasoning window: a longer reasoning is scored on its first this many tokens (its opening, "
+        "written in answer to the prompt), and a prompt that still does not fit the scorer's context keeps its "
+        "last tokens; what was cut is reported per sampler (truncated_reasoning_ratio). Cost grows with it "
+        "linearly (docs/scoring.md, Windows); null scores whole reasonings up to the scorer's context.",
     )
     max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")
     max_turns: int = Field(256, ge=1, description="Turns per trajectory.")

@@ -119,7 +119,7 @@ def empty_database_url(request, tmp_path) -> str:
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def database_url(request, tmp_path, _templates) -> str:
+def database_url(request, tmp_path, _templates: _Templates) -> str:
     """A fresh database at the head revision, on each backend."""
     if request.param == "sqlite":
         return _templates.sqlite_copy(tmp_path / "monitor.db")

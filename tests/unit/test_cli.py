@@ -215,7 +215,11 @@ def test_score_reports_metrics_breakdown_and_the_matrix(tmp_path, capsys):
             [],
             "error: group 0: rows 0 and 1 carry different prompts",
         ),
-        (GOOD_ROWS, ["--max-batch-tokens", "4"], "error: row 0: its longest (prompt, reasoning) pair needs"),
+        (
+            GOOD_ROWS,
+            ["--max-reasoning-tokens", "1"],
+            "error: --max-reasoning-tokens: max_reasoning_tokens must be >= 2",
+        ),
         (GOOD_ROWS, ["--temperature", "0"], "error: --temperature must be > 0, got 0.0"),
         (GOOD_ROWS, ["--model", "no-such-model"], "error: --model: model must be one of tiny-random, smollm2-135m"),
     ],
