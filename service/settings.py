@@ -6,6 +6,7 @@ and the worker take a built ``Settings`` and never read the environment themselv
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -303,3 +304,48 @@ class Settings(BaseSettings):
             temperature=temperature,
             max_batch_tokens=self.max_batch_tokens,
         )
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, Path):
+        home = str(Path.home())
+        text = str(value)
+        return "~" + text[len(home) :] if text.startswith(home + "/") else text
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if value is not None else "unset"
+    if isinstance(value, int | float) and not isinstance(value, bool) and abs(value) >= 10_000:
+        return f"{value:,}"
+    if value == "" or value == [] or value == {}:
+        return "empty"
+    if isinstance(value, dict | list):
+        return f"`{json.dumps(value)}`"
+    return str(value)
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every setting, its environment variable, default and description, from ``Settings``."""
+    lines = [
+        "# Settings",
+        "",
+        "Generated from `service/settings.py` (`Settings`):",
+        "`.venv/bin/python -m service.settings > docs/settings.md` regenerates it.",
+        "",
+        "Each setting comes from its flag (`collapse-monitor serve --help`, `worker --help`), the environment",
+        "(`COLLAPSE_MONITOR_<NAME>`; lists and maps as JSON) or `.env`: a flag wins over the environment, the",
+        "environment over `.env`.",
+        "",
+        "| setting | environment | default | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    prefix = Settings.model_config.get("env_prefix", "")
+    for name, field in Settings.model_fields.items():
+        default = field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+        description = (field.description or "").replace("|", "\\|")
+        lines.append(f"| `{name}` | `{prefix}{name.upper()}` | {_default_text(default)} | {description} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.stdout.write(settings_markdown())
