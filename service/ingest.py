@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction
 from service.errors import Conflict, InvalidRequest, NotFound, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
+from service.pace import run_pace
 from service.reasoning import ingest_warnings
 from service.recording import ALL, ScoredBatch, load_emas, record_step
 from service.reward_figures import grouped_reward_figures
@@ -89,16 +90,18 @@ def ingest_rollouts(
     """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
     check_batch_limits(payload, settings)
     check_groups(payload)
-    accepted, extraction = _commit_rollouts(sessions, settings, run_name, raw, payload)
+    accepted, extraction, lag = _commit_rollouts(sessions, settings, run_name, raw, payload)
     # After the commit: the warnings split every turn (linear in the text, but up to 32 MB of it),
     # which no transaction needs to wait for.
-    return accepted.model_copy(update={"warnings": ingest_warnings(payload, extraction)})
+    warnings = ingest_warnings(payload, extraction) + ([lag] if lag else [])
+    return accepted.model_copy(update={"warnings": warnings})
 
 
 def _commit_rollouts(
     sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
-) -> tuple[BatchAccepted, Extraction]:
-    """The batch queued in one transaction (or an identical earlier one), and the run's reasoning extraction."""
+) -> tuple[BatchAccepted, Extraction, str | None]:
+    """The batch queued in one transaction (or an identical earlier one), the run's reasoning extraction, and
+    the warning that scoring lags behind the run (``service.pace``), if it does."""
     # Hashed before the transaction, and once: 32 MB take ~50 ms, which the run's row lock need not wait for.
     digest = content_hash(raw)
     with sessions.begin() as session:
@@ -106,7 +109,7 @@ def _commit_rollouts(
         extraction = cast(Extraction, run.reasoning_extraction)
         replay = _replay(session, run.id, payload.idempotency_key, payload.step, raw, digest)
         if replay is not None:
-            return replay, extraction
+            return replay, extraction, None
         check_scoring_cost(payload, run, settings)
         check_token_ids(payload, session.get(ScorerLimits, run.scorer))
         _check_queues(session, run, settings)
@@ -128,8 +131,9 @@ def _commit_rollouts(
         except IntegrityError:  # a concurrent request with the same key won the race
             session.rollback()
             replayed = _replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw, digest)
-            return replayed, extraction
-    return _accepted(batch), extraction
+            return replayed, extraction, None
+        lag = run_pace(session, run.id).warning(run.name)
+    return _accepted(batch), extraction, lag
 
 
 def check_groups(payload: BatchIn) -> None:

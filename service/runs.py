@@ -16,6 +16,7 @@ from scoring.partition import Extraction
 from service.access import Token
 from service.alert_rules import AlertSettings
 from service.errors import InvalidRequest, NotFound, RunConflict, RunLimitReached
+from service.pace import run_pace
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
 from service.storage import queries, retention, tokens
@@ -108,6 +109,7 @@ def run_response(session: Session, run: Run) -> RunResponse:
         created_at=run.created_at.isoformat(),
         last_step=queries.last_step(session, run.id),
         batches=queries.batch_counts(session, run.id),
+        scoring_lag=run_pace(session, run.id).warning(run.name),
     )
 
 

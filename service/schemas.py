@@ -291,6 +291,11 @@ class RunResponse(RunCreate):
     created_at: str
     last_step: int | None = None
     batches: dict[str, int] = Field(default_factory=dict, description="Batches per status.")
+    scoring_lag: str | None = Field(
+        None,
+        description="Set when scoring falls behind the run's trainer: its backlog, what a step costs, how often "
+        "steps arrive, and what to change.",
+    )
 
 
 class TurnWithEntropy(TurnIn):

@@ -218,3 +218,24 @@ def dependence_matrix(step: int, dependence: float, seed: int = 0, n_columns: in
         "reasoning_lengths": lengths.tolist(),
         "L_seq": (per_token * lengths[:, None]).tolist(),
     }
+
+
+def long_batch(reasoning_tokens: int, prompt_tokens: int = 20, step: int = 1) -> dict:
+    """4 prompts x 2 rollouts of token ids; the rollouts' reasoning differs by prompt."""
+    return {
+        "step": step,
+        "trajectories": [
+            {
+                "group_id": g,
+                "reward": float(k),
+                "turns": [
+                    {
+                        "prompt_token_ids": [10 + g] * prompt_tokens,
+                        "reasoning_token_ids": [(20 + 7 * g + k + t) % 200 for t in range(reasoning_tokens)],
+                    }
+                ],
+            }
+            for g in range(4)
+            for k in range(2)
+        ],
+    }

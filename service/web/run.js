@@ -114,7 +114,7 @@ async function refresh(catalogue) {
   // A run whose first scored step just arrived: load its whole history for the new sampler.
   const samplerArrived = !page.sampler && overview.sampler;
   if (samplerArrived) page.sampler = overview.sampler;
-  await Promise.all([loadSeries(first || samplerArrived), loadAlerts(), catalogue]);
+  await Promise.all([loadSeries(first || samplerArrived), loadAlerts(), loadLag(), catalogue]);
   drawCharts();
   if (page.followLatest) await showStep(null);
 }
@@ -270,6 +270,14 @@ function chartHeader(chart, series) {
     ui.el("h3", { title: help }, chart.title),
     ui.el("div", { class: "chart-links" }, ...csv, promql),
   );
+}
+
+// Whether scoring keeps pace with the trainer (the run's scoring_lag, with the figures to change).
+async function loadLag() {
+  const lag = (await api.run(RUN)).scoring_lag;
+  const notice = document.getElementById("lag");
+  notice.textContent = lag || "";
+  notice.hidden = !lag;
 }
 
 async function loadAlerts() {

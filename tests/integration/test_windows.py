@@ -4,30 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures import wait_for
+from tests.fixtures import long_batch, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def long_batch(reasoning_tokens: int, prompt_tokens: int = 20) -> dict:
-    """4 prompts x 2 rollouts of token ids; the rollouts' reasoning differs by prompt."""
-    return {
-        "step": 1,
-        "trajectories": [
-            {
-                "group_id": g,
-                "reward": float(k),
-                "turns": [
-                    {
-                        "prompt_token_ids": [10 + g] * prompt_tokens,
-                        "reasoning_token_ids": [(20 + 7 * g + k + t) % 200 for t in range(reasoning_tokens)],
-                    }
-                ],
-            }
-            for g in range(4)
-            for k in range(2)
-        ],
-    }
 
 
 def test_reasoning_past_the_window_is_scored_on_its_opening_and_the_cut_is_stored(database_url, client_for):
