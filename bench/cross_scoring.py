@@ -11,7 +11,8 @@ token-count limit the kernel reaches), max_abs_diff_L_seq, max_abs_diff_entropy,
 per scored token, the kernel's achieved FLOP/s, MFU on a GPU with a known bf16 dense peak, and the
 settings. The same run measures the matmul peak of this device and thread count (``torch.mm`` of
 two N x N matrices, float32 and bfloat16, best of a few, just before and just after the kernel)
-and prints kernel_share_of_fp32_peak: kernel_flops_per_second over the better float32 figure.
+and prints kernel_share_of_fp32_peak: kernel_flops_per_second over the better float32 figure
+(kernel_cpu_share_of_fp32_peak: the same per CPU second of this process, steadier under load).
 On CPU, cpu_limit_share is limit_share from this process's CPU seconds, steadier than
 wall time on a machine shared with other work. Both scorers run on the same batch in the same
 process, so the ratios are measured under the same machine load.
@@ -257,8 +258,11 @@ def bf16_peak(device: torch.device) -> float | None:
     return next((peak for key, peak in BF16_DENSE_PEAK_FLOPS if key in name), None)
 
 
-def matmul_peak(dtype: torch.dtype, device: torch.device, size: int = MATMUL_SIZE, repeats: int = 4) -> float:
-    """FLOP/s of the best of ``repeats`` ``torch.mm`` calls on two [size, size] matrices of ``dtype``.
+def matmul_peak(
+    dtype: torch.dtype, device: torch.device, size: int = MATMUL_SIZE, repeats: int = 4
+) -> tuple[float, float]:
+    """FLOP/s of the best of ``repeats`` ``torch.mm`` calls on two [size, size] matrices of ``dtype``,
+    per wall second and per CPU second of this process.
 
     Same process, so same thread count as the kernel. Best of a few, since other work on a shared
     machine only ever slows a call down.
@@ -267,14 +271,14 @@ def matmul_peak(dtype: torch.dtype, device: torch.device, size: int = MATMUL_SIZ
     a = torch.randn(size, size, generator=generator, device=device).to(dtype)
     b = torch.randn(size, size, generator=generator, device=device).to(dtype)
     torch.mm(a, b)  # first use: allocation, kernel selection
-    best = float("inf")
+    best = best_cpu = float("inf")
     for _ in range(repeats):
-        _, seconds, _ = timed(lambda: torch.mm(a, b))
-        best = min(best, seconds)
-    return 2.0 * size**3 / best
+        _, seconds, cpu_seconds = timed(lambda: torch.mm(a, b))
+        best, best_cpu = min(best, seconds), min(best_cpu, cpu_seconds)
+    return 2.0 * size**3 / best, 2.0 * size**3 / best_cpu
 
 
-def matmul_peaks(device: torch.device) -> dict[str, float]:
+def matmul_peaks(device: torch.device) -> dict[str, tuple[float, float]]:
     return {name: matmul_peak(getattr(torch, name), device) for name in ("float32", "bfloat16")}
 
 
@@ -339,7 +343,8 @@ def main() -> None:
     needed = minimal_tokens(batch)
     flops, scored = model_flops(scorer, batch)
     peak = bf16_peak(scorer.device)
-    fp32_peak = max(peaks_before["float32"], peaks_after["float32"])
+    fp32_peak = max(peaks_before["float32"][0], peaks_after["float32"][0])
+    fp32_peak_cpu = max(peaks_before["float32"][1], peaks_after["float32"][1])
     kernel_figures = {
         "model": args.model,
         "shape": args.shape,
@@ -358,9 +363,11 @@ def main() -> None:
         "flops_per_scored_token": round(flops / scored),
         "kernel_flops_per_second": round(flops / kernel_seconds),
         # Same process, same threads, measured just before and just after the kernel.
-        "matmul_fp32_flops_per_second": [round(peaks_before["float32"]), round(peaks_after["float32"])],
-        "matmul_bf16_flops_per_second": [round(peaks_before["bfloat16"]), round(peaks_after["bfloat16"])],
+        "matmul_fp32_flops_per_second": [round(peaks_before["float32"][0]), round(peaks_after["float32"][0])],
+        "matmul_bf16_flops_per_second": [round(peaks_before["bfloat16"][0]), round(peaks_after["bfloat16"][0])],
         "kernel_share_of_fp32_peak": round(flops / kernel_seconds / fp32_peak, 3),
+        # The same per CPU second of this process (kernel and matmul): steadier under others' load.
+        "kernel_cpu_share_of_fp32_peak": round(flops / kernel_cpu / fp32_peak_cpu, 3),
         "mfu_bf16_dense": None if peak is None else round(flops / kernel_seconds / peak, 4),
         "max_batch_tokens": args.max_batch_tokens,
     }
