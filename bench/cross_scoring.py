@@ -2,25 +2,37 @@
 
     python bench/cross_scoring.py --model smollm2-135m --shape first-turn [--quick] [--prompts N]
     python bench/cross_scoring.py --model qwen2.5-1.5b-shape --shape trajectory --dtype bfloat16
+    python bench/cross_scoring.py --model smollm2-135m --shape long-reasoning --skip-naive
 
 Prints one JSON object: naive_seconds, kernel_seconds, speedup, token_ratio (tokens the naive
 scorer processes / minimal_tokens, the fewest tokens exact scoring must process: every distinct
 prompt prefix once, then z_r[:-1] per pair), limit_share (speedup / token_ratio: the share of the
 token-count limit the kernel reaches), max_abs_diff_L_seq, max_abs_diff_entropy, the model's FLOPs
 per scored token, the kernel's achieved FLOP/s, MFU on a GPU with a known bf16 dense peak, and the
-settings. On CPU, cpu_limit_share is limit_share from this process's CPU seconds, steadier than
+settings. The same run measures the matmul peak of this device and thread count (``torch.mm`` of
+two N x N matrices, float32 and bfloat16, best of a few, just before and just after the kernel)
+and prints kernel_share_of_fp32_peak: kernel_flops_per_second over the better float32 figure
+(kernel_cpu_share_of_fp32_peak: the same per CPU second of this process, steadier under load).
+On CPU, cpu_limit_share is limit_share from this process's CPU seconds, steadier than
 wall time on a machine shared with other work. Both scorers run on the same batch in the same
 process, so the ratios are measured under the same machine load.
 
 Shapes (prompts share one system prompt; token counts are exact, lengths vary by a seeded +-10%):
     first-turn   8 prompts of ~200 tokens (130 shared), 4 traces each of ~64 tokens
     multi-turn   8 prompts of ~1,000 tokens (dialogue history), 4 traces each of ~128 tokens
+    long-reasoning  8 prompts of ~200 tokens, 4 traces each of 1,000-2,000 tokens (math, code)
+    many-rows    32 prompts of ~200 tokens, 8 traces each of ~256 tokens (256 rows)
     trajectory   the trajectory sampler: 8 trajectories of 4 turns (each turn adds ~120 tokens of
                  observation to the previous turn's prompt and response), 16 (trajectory, turn)
                  draws with replacement, each its own column; turns of one trajectory share its
                  history, other trajectories only the system prompt
     --quick      halved: 4 prompts (trajectories: 4 of 3 turns, 8 draws), 2 traces each, prompts
-                 and traces halved: under a minute with SmolLM2 on 2 CPU cores
+                 and traces halved: under a minute with SmolLM2 on 2 CPU cores; long-reasoning
+                 4 prompts x 2 traces of 500-1,000 tokens and many-rows 4 prompts x 16 traces of
+                 ~64 tokens (64 rows): a few minutes each
+    --kernel-repeats K  the fastest of K kernel runs (the matmul peak is a best of 4 too)
+    --skip-naive the kernel alone (no speedup, no differences): the full long shapes' naive runs
+                 take hours on a CPU
     --prompts N  N distinct prompts instead (first-turn, multi-turn)
 
 Models: the scorer names of ``scoring.models`` (tiny-random, smollm2-135m, a folder, a .gguf), or a
@@ -51,10 +63,21 @@ SHAPES = {
     # prompts, traces per prompt, prompt tokens, trace tokens
     "first-turn": (8, 4, 200, 64),
     "multi-turn": (8, 4, 1000, 128),
+    "long-reasoning": (8, 4, 200, 1500),
+    "many-rows": (32, 8, 200, 256),
     # trajectories, turns, observation tokens per turn, trace tokens; draws below
     "trajectory": (8, 4, 120, 64),
 }
+QUICK_SHAPES = {
+    "first-turn": (4, 2, 150, 32),
+    "multi-turn": (4, 2, 500, 64),
+    "long-reasoning": (4, 2, 150, 750),
+    "many-rows": (4, 16, 150, 64),
+}
+# Relative spread of the trace lengths (uniform): +-10% unless listed.
+TRACE_SPREAD = {"long-reasoning": 1 / 3}
 TRAJECTORY_DRAWS = 16
+MATMUL_SIZE = 2048
 SYSTEM_TOKENS = 130
 SENTENCES = (
     "You are an agent solving a puzzle in a grid world.",
@@ -130,10 +153,9 @@ def token_stream(encode, rng: np.random.Generator, n_tokens: int) -> Tokens:
 def build_batch(encode, shape: str, quick: bool, prompts: int | None = None, seed: int = 0) -> ScoringBatch:
     if shape == "trajectory":
         return trajectory_batch(encode, quick, seed)
-    n_prompts, per_prompt, prompt_len, trace_len = SHAPES[shape]
-    if quick:
-        n_prompts, per_prompt, prompt_len, trace_len = 4, 2, max(prompt_len // 2, SYSTEM_TOKENS + 20), trace_len // 2
+    n_prompts, per_prompt, prompt_len, trace_len = (QUICK_SHAPES if quick else SHAPES)[shape]
     n_prompts = prompts or n_prompts
+    spread = TRACE_SPREAD.get(shape, 0.1)
     rng = np.random.default_rng(seed)
     system = token_stream(encode, rng, SYSTEM_TOKENS)
     rows_prompts, reasonings, groups = [], [], []
@@ -146,7 +168,7 @@ def build_batch(encode, shape: str, quick: bool, prompts: int | None = None, see
         seen.add(prompt)
         for _ in range(per_prompt):
             rows_prompts.append(prompt)
-            reasonings.append(token_stream(encode, rng, round(trace_len * rng.uniform(0.9, 1.1))))
+            reasonings.append(token_stream(encode, rng, round(trace_len * rng.uniform(1 - spread, 1 + spread))))
             groups.append(g)
     return ScoringBatch.from_rows(rows_prompts, reasonings, groups)
 
@@ -237,6 +259,30 @@ def bf16_peak(device: torch.device) -> float | None:
     return next((peak for key, peak in BF16_DENSE_PEAK_FLOPS if key in name), None)
 
 
+def matmul_peak(
+    dtype: torch.dtype, device: torch.device, size: int = MATMUL_SIZE, repeats: int = 4
+) -> tuple[float, float]:
+    """FLOP/s of the best of ``repeats`` ``torch.mm`` calls on two [size, size] matrices of ``dtype``,
+    per wall second and per CPU second of this process.
+
+    Same process, so same thread count as the kernel. Best of a few, since other work on a shared
+    machine only ever slows a call down.
+    """
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    b = torch.randn(size, size, generator=generator, device=device).to(dtype)
+    torch.mm(a, b)  # first use: allocation, kernel selection
+    best = best_cpu = float("inf")
+    for _ in range(repeats):
+        _, seconds, cpu_seconds = timed(lambda: torch.mm(a, b))
+        best, best_cpu = min(best, seconds), min(best_cpu, cpu_seconds)
+    return 2.0 * size**3 / best, 2.0 * size**3 / best_cpu
+
+
+def matmul_peaks(device: torch.device) -> dict[str, tuple[float, float]]:
+    return {name: matmul_peak(getattr(torch, name), device) for name in ("float32", "bfloat16")}
+
+
 def load(args: argparse.Namespace, config: ScoringConfig) -> Scorer:
     if args.model not in MODEL_SHAPES:
         return load_scorer(config, args.cache_dir)
@@ -274,6 +320,8 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="first-turn")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--prompts", type=int, help="distinct prompts (first-turn, multi-turn)")
+    parser.add_argument("--skip-naive", action="store_true", help="time the kernel only")
+    parser.add_argument("--kernel-repeats", type=int, default=1, help="kernel runs; the fastest is reported")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
@@ -291,7 +339,47 @@ def main() -> None:
     score_batch(scorer, warmup, config)
     score_batch_naive(scorer, warmup)
 
+    peaks_before = matmul_peaks(scorer.device)
     kernel, kernel_seconds, kernel_cpu = timed(lambda: score_batch(scorer, batch, config))
+    for _ in range(args.kernel_repeats - 1):  # best of a few: others' load only ever slows a run down
+        _, seconds, cpu_seconds = timed(lambda: score_batch(scorer, batch, config))
+        kernel_seconds, kernel_cpu = min(kernel_seconds, seconds), min(kernel_cpu, cpu_seconds)
+    peaks_after = matmul_peaks(scorer.device)
+    needed = minimal_tokens(batch)
+    flops, scored = model_flops(scorer, batch)
+    peak = bf16_peak(scorer.device)
+    fp32_peak = max(peaks_before["float32"][0], peaks_after["float32"][0])
+    fp32_peak_cpu = max(peaks_before["float32"][1], peaks_after["float32"][1])
+    kernel_figures = {
+        "model": args.model,
+        "shape": args.shape,
+        "quick": args.quick,
+        "device": torch.cuda.get_device_name(scorer.device) if scorer.device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "torch_threads": torch.get_num_threads(),
+        "rows": batch.n_rows,
+        "columns": batch.n_columns,
+        "distinct_prompts": len(set(batch.column_prompts)),
+        "mean_reasoning_tokens": round(float(batch.reasoning_lengths.mean()), 1),
+        "kernel_seconds": round(kernel_seconds, 3),
+        "kernel_cpu_seconds": round(kernel_cpu, 3),
+        "kernel_tokens": kernel.tokens_processed,
+        "minimal_tokens": needed,
+        "flops_per_scored_token": round(flops / scored),
+        "kernel_flops_per_second": round(flops / kernel_seconds),
+        # Same process, same threads, measured just before and just after the kernel.
+        "matmul_fp32_flops_per_second": [round(peaks_before["float32"][0]), round(peaks_after["float32"][0])],
+        "matmul_bf16_flops_per_second": [round(peaks_before["bfloat16"][0]), round(peaks_after["bfloat16"][0])],
+        "kernel_share_of_fp32_peak": round(flops / kernel_seconds / fp32_peak, 3),
+        # The same per CPU second of this process (kernel and matmul): steadier under others' load.
+        "kernel_cpu_share_of_fp32_peak": round(flops / kernel_cpu / fp32_peak_cpu, 3),
+        "mfu_bf16_dense": None if peak is None else round(flops / kernel_seconds / peak, 4),
+        "max_batch_tokens": args.max_batch_tokens,
+        "kernel_repeats": args.kernel_repeats,
+    }
+    if args.skip_naive:
+        print(json.dumps({**kernel_figures, "load_average_1m": round(os.getloadavg()[0], 2)}))
+        return
     naive, naive_seconds, naive_cpu = timed(
         lambda: score_batch_naive(scorer, batch, micro_batch_size=args.naive_micro_batch)
     )
@@ -299,44 +387,25 @@ def main() -> None:
         (float(np.abs(a - b).max()) for a, b in zip(kernel.token_entropy, naive.token_entropy, strict=True) if len(a)),
         default=0.0,
     )
-    needed = minimal_tokens(batch)
-    flops, scored = model_flops(scorer, batch)
-    peak = bf16_peak(scorer.device)
     speedup = naive_seconds / kernel_seconds
     token_ratio = naive.tokens_processed / needed
     print(
         json.dumps(
             {
-                "model": args.model,
-                "shape": args.shape,
-                "quick": args.quick,
-                "device": torch.cuda.get_device_name(scorer.device) if scorer.device.type == "cuda" else "cpu",
-                "dtype": args.dtype,
-                "torch_threads": torch.get_num_threads(),
-                "rows": batch.n_rows,
-                "columns": batch.n_columns,
-                "distinct_prompts": len(set(batch.column_prompts)),
+                **kernel_figures,
                 "naive_seconds": round(naive_seconds, 3),
-                "kernel_seconds": round(kernel_seconds, 3),
                 "speedup": round(speedup, 2),
                 "token_ratio": round(token_ratio, 2),
                 "limit_share": round(speedup / token_ratio, 3),
                 "naive_tokens": naive.tokens_processed,
-                "kernel_tokens": kernel.tokens_processed,
-                "minimal_tokens": needed,
                 "one_level_prefix_tokens": one_level_tokens(batch),
-                "flops_per_scored_token": round(flops / scored),
-                "kernel_flops_per_second": round(flops / kernel_seconds),
-                "mfu_bf16_dense": None if peak is None else round(flops / kernel_seconds / peak, 4),
                 # On a shared CPU the wall-clock ratio moves with other work's load between the two
                 # runs; CPU seconds of this process do much less so.
                 "naive_cpu_seconds": round(naive_cpu, 3),
-                "kernel_cpu_seconds": round(kernel_cpu, 3),
                 "cpu_limit_share": round(naive_cpu / kernel_cpu / token_ratio, 3),
                 "load_average_1m": round(os.getloadavg()[0], 2),
                 "max_abs_diff_L_seq": float(np.abs(kernel.L_seq - naive.L_seq).max()),
                 "max_abs_diff_entropy": entropy_diff,
-                "max_batch_tokens": args.max_batch_tokens,
                 "naive_micro_batch": args.naive_micro_batch,
             }
         )

@@ -28,6 +28,7 @@ from scoring.batch import ScoringBatch, Tokens
 from scoring.cascade import CascadePlan, Segment, install
 from scoring.config import ScoringConfig
 from scoring.estimators import per_token
+from scoring.forward import packed_forward, supports
 from scoring.prefix_tree import PrefixTree
 from scoring.scorer import Scorer
 
@@ -169,12 +170,21 @@ def token_logprobs(
         if check is not None:
             check()
         end = min(start + chunk_tokens, hidden.shape[0])
-        lp = scaled_log_softmax(head(hidden[start:end]), temperature)  # [chunk, V]
-        logp[start:end] = lp.gather(1, targets[start:end, None]).squeeze(1).double()
+        # Fused: log p(target) = logit - logsumexp, so the [chunk, V] log-softmax is never written;
+        # only the rows whose entropy is asked (the matched pairs) are normalised in full.
+        logits = _scaled_logits(head(hidden[start:end]), temperature)  # [chunk, V]
+        lse = torch.logsumexp(logits, dim=1)  # [chunk]
+        logp[start:end] = (logits.gather(1, targets[start:end, None]).squeeze(1) - lse).double()
         wanted = want_entropy[start:end].nonzero().squeeze(1)
         if wanted.numel():
-            entropy[start + wanted] = entropy_from_logprobs(lp[wanted]).double()
+            entropy[start + wanted] = entropy_from_logprobs(logits[wanted] - lse[wanted, None]).double()
     return logp, entropy
+
+
+def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in at least float32; divides in place, so only for a fresh head output."""
+    work = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return work if temperature == 1.0 else work.div_(temperature)
 
 
 class _Run:
@@ -198,27 +208,35 @@ class _Run:
         self.check = check
         self.tree = tree
         self.packed = config.attention == "packed" or (config.attention == "auto" and self.device.type == "cuda")
+        # The kernel's own forward runs cascade attention; the packed FlexAttention path is transformers'.
+        self.own_forward = not self.packed and supports(scorer.model)
         self.computed: dict[int, Segment] = {}  # tree node -> its keys and values, seen by every row below it
         self.joined: dict[tuple[int, ...], Segment] = {}  # nodes -> their keys and values, concatenated
         self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
         self.tokens_processed = 0
 
-    def forward(
-        self, sequences: Sequence[Tokens], start_positions: Sequence[int], plan: CascadePlan
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Runs right-padded ``sequences`` with ``plan``; returns hidden [B, Q, H] and the valid mask [B, Q]."""
+    def forward(self, sequences: Sequence[Tokens], start_positions: Sequence[int], plan: CascadePlan) -> torch.Tensor:
+        """Runs ``sequences`` with ``plan``; returns the hidden states of their tokens, packed in order [T, H]."""
         plan.check = self.check
-        ids, mask = _pad(sequences, self.device)
         plan.packed = self.packed
-        positions = torch.tensor(start_positions, device=self.device)[:, None] + torch.arange(
-            ids.shape[1], device=self.device
-        )
+        lengths = torch.tensor([len(s) for s in sequences])
+        valid = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # [B, Q]
+        positions = torch.tensor(start_positions)[:, None] + torch.arange(valid.shape[1])  # [B, Q]
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)  # [T]
+        self.tokens_processed += len(ids)
+        if self.own_forward:
+            device = self.device
+            return packed_forward(self.base, ids.to(device), positions[valid].to(device), valid.to(device), plan)
+        padded = torch.zeros(valid.shape, dtype=torch.long)
+        padded[valid] = ids
         # No cache and no mask: cascade attention knows each sequence's context from the plan,
         # and right padding is invisible to the valid tokens under causal attention.
-        out = self.base(input_ids=ids, position_ids=positions, use_cache=False, cascade=plan)
-        self.tokens_processed += int(mask.sum())
-        return out.last_hidden_state, mask.bool()
+        out = self.base(
+            input_ids=padded.to(self.device), position_ids=positions.to(self.device), use_cache=False, cascade=plan
+        )
+        hidden: torch.Tensor = out.last_hidden_state[valid.to(self.device)]
+        return hidden
 
     def segments(self, paths: Sequence[Sequence[int]]) -> list[Segment]:
         """The computed nodes on the batch rows' ``paths``, as segments listing the rows that see them.
@@ -272,7 +290,7 @@ class _Run:
     def _encode(self, group: list[int]) -> None:
         nodes = [self.tree.nodes[n] for n in group]
         plan = CascadePlan(segments=self.segments([node.path for node in nodes]), record=True)
-        hidden, _ = self.forward([node.tokens for node in nodes], [node.start for node in nodes], plan)
+        hidden = self.forward([node.tokens for node in nodes], [node.start for node in nodes], plan)
         layers = range(len(plan.recorded))
         for b, (n, node) in enumerate(zip(group, nodes, strict=True)):
             # The node's own keys and values without the batch's padding: [kv_heads, length, D].
@@ -281,11 +299,11 @@ class _Run:
                 keys=[plan.recorded[i][0][b, :, :length] for i in layers],
                 values=[plan.recorded[i][1][b, :, :length] for i in layers],
             )
+        ends = np.cumsum([len(node.tokens) for node in nodes]) - 1  # each node's last token, packed
         ending = [(b, u) for b, node in enumerate(nodes) for u in node.ends]
         if ending:
-            rows = torch.tensor([b for b, _ in ending], device=self.device)
-            last = torch.tensor([len(nodes[b].tokens) - 1 for b, _ in ending], device=self.device)
-            self._score_first_tokens(hidden[rows, last], [u for _, u in ending])
+            last = torch.tensor([ends[b] for b, _ in ending], device=self.device)
+            self._score_first_tokens(hidden[last], [u for _, u in ending])
 
     def _score_first_tokens(self, last_hidden: torch.Tensor, prompt_ids: list[int]) -> None:
         """log p(z_r[0] | x_u) for every row, from each prompt's last hidden state [n, H].
@@ -309,16 +327,17 @@ class _Run:
     def score_pairs(self, pairs: list[tuple[int, int]], prompts: Sequence[Tokens]) -> None:
         """Runs z_r[:-1] for each (prompt, row) pair after its prompt's nodes."""
         plan = CascadePlan(self.segments([self.tree.path(u) for u, _ in pairs]))
-        hidden, valid = self.forward(
-            [self.reasonings[r][:-1] for _, r in pairs], [len(prompts[u]) for u, _ in pairs], plan
-        )
-        targets, _ = _pad([self.reasonings[r][1:] for _, r in pairs], self.device)
-        matched = torch.tensor([self.prompt_of_row[r] == u for u, r in pairs], device=self.device)
+        queries = [self.reasonings[r][:-1] for _, r in pairs]
+        hidden = self.forward(queries, [len(prompts[u]) for u, _ in pairs], plan)  # [T, H]
+        targets = torch.tensor([t for _, r in pairs for t in self.reasonings[r][1:]], device=self.device)
+        lengths = torch.tensor([len(q) for q in queries])
+        valid = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).to(self.device)  # [B, Q]
+        matched = torch.tensor([self.prompt_of_row[r] == u for u, r in pairs])
         logp, entropy = token_logprobs(
             self.head,
-            hidden[valid],
-            targets[valid],
-            matched[:, None].expand_as(valid)[valid],
+            hidden,
+            targets,
+            matched.repeat_interleave(lengths).to(self.device),
             self.config.temperature,
             self.config.logits_chunk_tokens,
             self.check,
@@ -342,17 +361,6 @@ def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | s
     if rows[-1] - rows[0] + 1 == len(rows):  # pairs are batched prompt by prompt: usually a range
         return slice(rows[0], rows[-1] + 1)
     return torch.tensor(rows, device=device)
-
-
-def _pad(sequences: Sequence[Tokens], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pads token sequences: ids [B, L] (pad id 0, never read) and mask [B, L]."""
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    mask = torch.zeros(len(sequences), width, dtype=torch.long)
-    for b, s in enumerate(sequences):
-        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[b, : len(s)] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _distinct_prompts(column_prompts: Sequence[Tokens]) -> tuple[list[Tokens], np.ndarray]:

@@ -16,7 +16,7 @@ VOCAB = 64
 
 def tiny_scorer(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Scorer:
     """A 2-layer random transformer of the given family; vocab 64, hidden 32."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -32,6 +32,23 @@ def tiny_scorer(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) 
                 attn_implementation="sdpa",
             )
             model = GPT2LMHeadModel(config)
+        elif family == "qwen2":  # Llama's layout plus q/k/v biases, drawn non-zero here
+            qwen2 = Qwen2Config(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                initializer_range=0.3,
+                use_sliding_window=False,
+                attn_implementation="sdpa",
+            )
+            model = Qwen2ForCausalLM(qwen2)
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=0.3)
         else:
             config = LlamaConfig(
                 vocab_size=VOCAB,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from scoring import ScoringBatch, ScoringConfig, ScoringError, score_batch, score_batch_naive
+from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, score_batch, score_batch_naive
 from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 
@@ -123,34 +123,37 @@ def test_temperature_divides_the_logits(llama64):
 
 
 class _ForwardLog:
-    """Records what every forward of the base model and every vocabulary projection held."""
+    """Records what every forward held (at its first layer's attention) and every vocabulary projection.
+
+    Both forwards (transformers' and the kernel's own, ``scoring.forward``) attend through
+    ``scoring.cascade.cascade_attention``, looked up at call time: this log wraps it.
+    """
 
     def __init__(self, scorer):
         self.forward_tokens: list[int] = []
         self.head_rows: list[int] = []
-        base = scorer.model.base_model
-        self.handles = [
-            base.register_forward_pre_hook(self._on_forward, with_kwargs=True),
-            scorer.model.get_output_embeddings().register_forward_hook(self._on_head),
-        ]
+        self.attend = cascade.cascade_attention
+        cascade.cascade_attention = self._on_attention
+        self.handle = scorer.model.get_output_embeddings().register_forward_hook(self._on_head)
 
-    def _on_forward(self, _module, _args, kwargs):
-        ids, plan = kwargs["input_ids"], kwargs["cascade"]
-        attended = torch.zeros(ids.shape[0], dtype=torch.long)
-        for segment in plan.segments:
-            length = segment.keys[0].shape[1]
-            if segment.rows is None:
-                attended += length
-            else:
-                attended[segment.rows if isinstance(segment.rows, slice) else segment.rows.cpu()] += length
-        self.forward_tokens.append(int((attended + ids.shape[1]).sum()))
+    def _on_attention(self, query, key, value, segments, layer, *args, **kwargs):
+        if layer == 0:
+            attended = torch.zeros(query.shape[0], dtype=torch.long)
+            for segment in segments:
+                length = segment.keys[0].shape[1]
+                if segment.rows is None:
+                    attended += length
+                else:
+                    attended[segment.rows if isinstance(segment.rows, slice) else segment.rows.cpu()] += length
+            self.forward_tokens.append(int((attended + query.shape[2]).sum()))  # [B, heads, Q, D]
+        return self.attend(query, key, value, segments, layer, *args, **kwargs)
 
     def _on_head(self, _module, _args, output):
         self.head_rows.append(output.shape[0] if output.dim() == 2 else output.shape[0] * output.shape[1])
 
     def close(self):
-        for h in self.handles:
-            h.remove()
+        cascade.cascade_attention = self.attend
+        self.handle.remove()
 
 
 @pytest.mark.parametrize("budget", [30, 64, 500])
