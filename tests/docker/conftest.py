@@ -10,6 +10,7 @@ tests skip and say why; under CI=true they fail instead.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -20,6 +21,7 @@ import tempfile
 import time
 import tomllib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -175,10 +177,31 @@ def engine() -> Iterator[Engine]:
         started.stop()
 
 
+@contextmanager
+def preparing() -> Iterator[None]:
+    """Held while the base tarball or the wheels are made: by ``tests.docker.prepare`` in the background of
+    ``scripts/test`` (both are downloads: minutes of waiting on the network), or by the fixtures below, which
+    then find them made."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_base_image(engine: Engine) -> None:
     """A Debian image with python3, made with debootstrap; the rootfs tarball is cached."""
     if engine.has_image(BASE_IMAGE):
         return
+    with open(ensure_base_tarball(), "rb") as archive:
+        engine.run("import", "-", BASE_IMAGE, stdin=archive)
+
+
+def ensure_base_tarball() -> Path:
+    with preparing():
+        return _base_tarball()
+
+
+def _base_tarball() -> Path:
     tarball = CACHE / f"debian-{DEBIAN_SUITE}-python3.tar"
     if not tarball.exists():
         if shutil.which("debootstrap") is None:
@@ -211,8 +234,7 @@ def ensure_base_image(engine: Engine) -> None:
             partial = tarball.with_suffix(".partial")
             subprocess.run(["tar", "--numeric-owner", "-C", str(rootfs), "-cf", str(partial), "."], check=True)
             partial.rename(tarball)
-    with open(tarball, "rb") as archive:
-        engine.run("import", "-", BASE_IMAGE, stdin=archive)
+    return tarball
 
 
 def image_requirements() -> list[str]:
@@ -222,6 +244,11 @@ def image_requirements() -> list[str]:
 
 def ensure_wheels() -> None:
     """Every wheel the image installs, for its Python, in docker/wheels (the offline build's source)."""
+    with preparing():
+        _wheels()
+
+
+def _wheels() -> None:
     requirements = [*image_requirements(), "setuptools>=70"]
     stamp = WHEELS / f".complete-{hashlib.sha256(repr(requirements).encode()).hexdigest()[:16]}"
     if stamp.exists():
