@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
 from service.access import TokenCache
-from service.alert_delivery import Dispatcher
+from service.alerts.dispatcher import Dispatcher
 from service.api import alerts, batches, matrices, overview, pages, runs, system
 from service.api.middleware import (
     AnswerErrors,

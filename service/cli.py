@@ -423,7 +423,7 @@ def _run_worker(args: argparse.Namespace) -> Any:
 
     import httpx
 
-    from service.alert_delivery import Dispatcher
+    from service.alerts.dispatcher import Dispatcher
     from service.background import start_in_thread
     from service.scorers import ScorerPool
     from service.storage.database import make_engine, make_sessions, migrate

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session
 
 from scoring.estimators import Diagnostics, EmaState
-from service.alert_state import update_alerts
+from service.alerts.state import update_alerts
 from service.runs import RunSnapshot
 from service.schemas import BatchResult, SamplerResult
 from service.settings import Settings

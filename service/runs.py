@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.partition import Extraction
 from service.access import Token
-from service.alert_rules import AlertSettings
+from service.alerts.rules import AlertSettings
 from service.errors import InvalidRequest, NotFound, RunConflict, RunLimitReached
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings

@@ -23,7 +23,7 @@ from pydantic import (
 from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, per_token
 from scoring.partition import Extraction
 from scoring.snr_filter import FilterConfig
-from service.alert_rules import AlertSettings, AlertState, RuleName, Severity
+from service.alerts.rules import AlertSettings, AlertState, RuleName, Severity
 
 # Integers stored in 32-bit columns (steps, seeds, counts) are bounded where they enter, so both
 # databases refuse them alike (Postgres would answer an out-of-range value with an error).

@@ -6,8 +6,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.alert_delivery import alert_document, delivery_status
-from service.alert_rules import AlertState, RuleName
+from service.alerts.notifications import alert_document, delivery_status
+from service.alerts.rules import AlertState, RuleName
 from service.api.deps import Caller, ReadsRun, State
 from service.runs import require_run
 from service.schemas import AlertResponse, DeliveryStatus

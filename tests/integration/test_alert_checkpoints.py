@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import delete, event, insert, select, update
 from sqlalchemy.orm import Session
 
-from service.alert_rules import AlertSettings
+from service.alerts.rules import AlertSettings
 from service.recording import ALL, ScoredBatch, record_step
 from service.runs import RunSnapshot
 from service.schemas import BatchResult, SamplerResult

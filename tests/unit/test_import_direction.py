@@ -39,8 +39,9 @@ def test_wire_schemas_import_no_web_framework_database_or_torch():
 
 def test_use_cases_storage_metrics_and_alerts_import_no_web_framework():
     loaded = modules_loaded_by(
-        "import service.storage.queries, service.storage.database, service.metrics, service.alert_rules, "
-        "service.alert_state, service.alert_delivery, service.ingest, service.runs, service.recording, "
+        "import service.storage.queries, service.storage.database, service.metrics, service.alerts.rules, "
+        "service.alerts.state, service.alerts.notifications, service.alerts.dispatcher, service.ingest, service.runs, "
+        "service.recording, "
         "service.batch_scoring, service.worker, service.storage.overview, service.storage.matrices"
     )
     assert not loaded & {"fastapi", "starlette", "uvicorn"}

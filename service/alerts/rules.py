@@ -3,7 +3,7 @@
 Pure: series in, alert episodes out. The rules replay the stored history of a (run, sampler)
 through their state machine, so the result never depends on what a previous process remembered;
 a ``Replay`` resumes from the state it saved after an earlier step (stored with the alerts,
-``service.alert_state``) and then reads only the newer points, so a step costs the same after
+``service.alerts.state``) and then reads only the newer points, so a step costs the same after
 10 or 10,000 steps and comes out as the whole replay would:
 
     condition holds ──▶ pending ──(holds `window` consecutive steps)──▶ firing
