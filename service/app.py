@@ -148,8 +148,8 @@ def create_app(settings: Settings) -> FastAPI:
 
 def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading.Event]:
     """Scores in this process; the default scorer starts loading at once (/readyz reports it)."""
-    from service.scorers import ScorerPool
-    from service.worker import Worker
+    from service.jobs.scorers import ScorerPool
+    from service.jobs.worker import Worker
 
     pool = state.pool = ScorerPool(state.settings)
 

@@ -425,9 +425,10 @@ def _run_worker(args: argparse.Namespace) -> Any:
 
     from service.alerts.dispatcher import Dispatcher
     from service.background import start_in_thread
-    from service.scorers import ScorerPool
+    from service.jobs.interrupts import leave_if_loading
+    from service.jobs.scorers import ScorerPool
+    from service.jobs.worker import Worker
     from service.storage.database import make_engine, make_sessions, migrate
-    from service.worker import Worker, leave_if_loading
 
     settings = service_settings(args)
     if settings.is_sqlite:

@@ -20,10 +20,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction
 from service.errors import Conflict, InvalidRequest, NotFound, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
-from service.reasoning import ingest_warnings
-from service.recording import ALL, ScoredBatch, load_emas, record_step
-from service.reward_figures import grouped_reward_figures
-from service.runs import RunSnapshot, is_scheduled, require_run, segment_for
+from service.jobs.reasoning import ingest_warnings
+from service.jobs.recording import ALL, ScoredBatch, load_emas, record_step
+from service.jobs.reward_figures import grouped_reward_figures
+from service.runs import require_run, segment_for
 from service.schemas import (
     BatchAccepted,
     BatchIn,
@@ -34,6 +34,7 @@ from service.schemas import (
     TurnWithEntropy,
 )
 from service.settings import Settings
+from service.snapshot import RunSnapshot, is_scheduled
 from service.storage import queries
 from service.storage.matrices import MatrixRecord
 from service.storage.queries import Point

@@ -21,7 +21,7 @@ from service.readiness import DatabaseProbe
 from service.settings import Settings
 
 if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
-    from service.scorers import ScorerPool
+    from service.jobs.scorers import ScorerPool
 
 
 @dataclass

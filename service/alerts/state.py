@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 
 from service.alerts.notifications import notifications
 from service.alerts.rules import RULES_VERSION, AlertSettings, Episode, Replay, Rewind, RuleName, needed_series
-from service.runs import RunSnapshot
 from service.settings import Settings
+from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.tables import Alert, utcnow
 

@@ -11,9 +11,9 @@ from sqlalchemy import delete, event, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.alerts.rules import AlertSettings
-from service.recording import ALL, ScoredBatch, record_step
-from service.runs import RunSnapshot
+from service.jobs.recording import ALL, ScoredBatch, record_step
 from service.schemas import BatchResult, SamplerResult
+from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.queries import Point

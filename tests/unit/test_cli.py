@@ -246,7 +246,7 @@ def test_threads_caps_the_scoring_process_from_the_flag_or_the_environment(monke
     import torch
 
     from service.cli import _build_parser, service_settings
-    from service.scorers import ScorerPool
+    from service.jobs.scorers import ScorerPool
 
     for key in [k for k in os.environ if k.startswith("COLLAPSE_MONITOR_")]:
         monkeypatch.delenv(key)

@@ -41,8 +41,8 @@ def test_use_cases_storage_metrics_and_alerts_import_no_web_framework():
     loaded = modules_loaded_by(
         "import service.storage.queries, service.storage.database, service.metrics, service.alerts.rules, "
         "service.alerts.state, service.alerts.notifications, service.alerts.dispatcher, service.ingest, service.runs, "
-        "service.recording, "
-        "service.batch_scoring, service.worker, service.storage.overview, service.storage.matrices"
+        "service.jobs.recording, "
+        "service.jobs.rollouts, service.jobs.worker, service.storage.overview, service.storage.matrices"
     )
     assert not loaded & {"fastapi", "starlette", "uvicorn"}
 
@@ -53,7 +53,11 @@ def test_routers_never_load_the_composition_root_and_an_api_process_never_loads_
         "service.api.overview, service.api.matrices, service.api.pages"
     )
     assert "service.app" not in routers
-    assert not modules_loaded_by("import service.app, service.ingest") & {"torch", "transformers", "service.worker"}
+    assert not modules_loaded_by("import service.app, service.ingest") & {
+        "torch",
+        "transformers",
+        "service.jobs.worker",
+    }
 
 
 def _imports(path: Path, module: str) -> set[str]:

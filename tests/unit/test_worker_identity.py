@@ -72,7 +72,7 @@ def test_a_worker_name_may_not_hold_the_owner_separator():
 LOADING = """
 import threading, time
 import torch
-from service.worker import LOADER, leave_if_loading
+from service.jobs.interrupts import LOADER, leave_if_loading
 started = threading.Event()
 def load():
     a = torch.randn(256, 256)
