@@ -36,10 +36,10 @@ from service.api.middleware import (
 )
 from service.background import start_in_thread
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
+from service.jobs.retention import Purger
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
 from service.rate_limit import BodyBudget
 from service.readiness import DatabaseProbe
-from service.retention import Purger
 from service.settings import Settings
 from service.state import AppState
 from service.storage import queries

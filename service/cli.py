@@ -305,7 +305,7 @@ def _run_tokens_revoke(args: argparse.Namespace) -> Any:
 
 
 def _run_purge(args: argparse.Namespace) -> Any:
-    from service.retention import purge
+    from service.jobs.retention import purge
 
     settings = service_settings(args)
     days = args.older_than_days if args.older_than_days is not None else settings.payload_retention_days

@@ -2,7 +2,7 @@
 
     python -m bench.corpus.calibrate [--rows 16,32,64] [--healthy-runs 50] [--runs 20] [--steps 40]
 
-Runs are replayed through the service's own code without a database: ``service.ingest.score_matrix``
+Runs are replayed through the service's own code without a database: ``service.ingest.matrices.score_matrix``
 (what ``POST /v1/runs/{run}/matrices`` computes) gives each step's points, and
 ``service.alerts.rules.evaluate`` (what the alert engine runs after each step) replays the history
 under each candidate setting. A candidate is admissible when it raises no alarm in any healthy run
@@ -27,7 +27,7 @@ import numpy as np
 from bench.corpus.simulate import CORPUS, KINDS, Corpus, Run, Story, halves, load, story
 from scoring.estimators import EmaState
 from service.alerts.rules import TEMPLATE, AlertSettings, Series, Signal, evaluate
-from service.ingest import score_matrix
+from service.ingest.matrices import score_matrix
 from service.schemas import MatrixBatchIn
 
 SAMPLER = "matrix"
@@ -157,7 +157,7 @@ def evaluate_defaults(corpus: Corpus, sizes: list[int], args: argparse.Namespace
         json.dumps(
             {
                 "half": "evaluation",
-                "path": "service.ingest.score_matrix + service.alerts.rules.evaluate (no database)",
+                "path": "service.ingest.matrices.score_matrix + service.alerts.rules.evaluate (no database)",
                 "settings": changed(AlertSettings()),
                 "runs": args.runs,
                 "healthy_runs": args.healthy_runs,

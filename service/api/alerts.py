@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from service.alerts.notifications import alert_document, delivery_status
 from service.alerts.rules import AlertState, RuleName
 from service.api.deps import Caller, ReadsRun, State
-from service.runs import require_run
+from service.ingest.runs import require_run
 from service.schemas import AlertResponse, DeliveryStatus
 from service.storage import queries
 from service.storage.tables import iso_time

@@ -11,8 +11,8 @@ import orjson
 from fastapi import APIRouter, Body, Query, Response, status
 from fastapi.responses import StreamingResponse
 
-from service import ingest, runs
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
+from service.ingest import batches, matrices, runs
 from service.schemas import (
     INT32_MAX,
     BatchAccepted,
@@ -114,13 +114,13 @@ def ingest_batch(
     body: Annotated[BatchIn, Body(openapi_examples={"two groups": {"value": BATCH_EXAMPLE}})],
 ) -> BatchAccepted:
     """Accepts one training step's rollouts; answers before any scoring (follow ``status_url``)."""
-    return ingest.ingest_rollouts(state.sessions, state.settings, run, raw, body)
+    return batches.ingest_rollouts(state.sessions, state.settings, run, raw, body)
 
 
 @router.post("/{run}/matrices", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
-    return ingest.ingest_matrix(state.sessions, state.settings, run, raw, body)
+    return matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
 
 
 @router.post("/{run}/checkpoints", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])

@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event, func, select, update
 
 from service.app import create_app
+from service.ingest.runs import delete_run
 from service.jobs.scorers import ScorerPool
 from service.jobs.worker import Worker
-from service.runs import delete_run
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Alert, AlertDelivery, Batch, MetricPoint, Run, as_utc

@@ -14,7 +14,7 @@ from service.jobs.checkpoints import resolve_checkpoint
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
 from service.snapshot import RunSnapshot
-from service.storage import queries, retention, tokens
+from service.storage import deletion, queries, tokens
 from service.storage.tables import Checkpoint, Run
 
 
@@ -135,7 +135,7 @@ def delete_run(sessions: sessionmaker[Session], name: str) -> dict[str, int]:
     Two deletes of one run at once: the second finds no row left to delete, and answers 404 too.
     """
     with sessions.begin() as session:
-        deleted = retention.delete_run(session, require_run(session, name).id)
+        deleted = deletion.delete_run(session, require_run(session, name).id)
         if not deleted["runs"]:
             raise NotFound(f"run {name!r} does not exist (it was deleted meanwhile)", field="run")
         return deleted
