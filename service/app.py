@@ -34,16 +34,16 @@ from service.api.middleware import (
     SecurityHeaders,
     TrustedHosts,
 )
-from service.background import start_in_thread
+from service.api.rate_limit import BodyBudget
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
 from service.jobs.retention import Purger
+from service.loops import start_in_thread
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
-from service.rate_limit import BodyBudget
-from service.readiness import DatabaseProbe
 from service.settings import Settings
 from service.state import AppState
 from service.storage import queries
 from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
+from service.storage.readiness import DatabaseProbe
 
 log = logging.getLogger("collapse_monitor")
 

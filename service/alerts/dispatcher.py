@@ -17,7 +17,7 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.alerts.notifications import redacted_error, redacted_url
-from service.background import owner_id, poll, retry_through_outage
+from service.loops import owner_id, poll, retry_through_outage
 from service.settings import Settings
 from service.storage import queries
 

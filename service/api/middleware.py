@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.api.rate_limit import TokenBuckets
 from service.errors import ForeignOrigin, InvalidRequest, MonitorError, TooLarge, TooManyRequests, UntrustedHost
-from service.rate_limit import TokenBuckets
 
 log = logging.getLogger("collapse_monitor.api")
 

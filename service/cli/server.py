@@ -78,10 +78,10 @@ def run_worker(args: argparse.Namespace) -> Any:
     import httpx
 
     from service.alerts.dispatcher import Dispatcher
-    from service.background import start_in_thread
     from service.jobs.interrupts import leave_if_loading
     from service.jobs.scorers import ScorerPool
     from service.jobs.worker import Worker
+    from service.loops import start_in_thread
     from service.storage.database import make_engine, make_sessions, migrate
 
     settings = service_settings(args)

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.background import poll
+from service.loops import poll
 from service.storage import deletion
 from service.storage.tables import utcnow
 

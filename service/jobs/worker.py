@@ -2,7 +2,7 @@
 
 Durability: a batch is claimed under a lease that a heartbeat renews while it is scored. If the
 worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times); a
-worker restarted under the same name (``background.worker_identity``) puts its predecessor's
+worker restarted under the same name (``loops.worker_identity``) puts its predecessor's
 batches back at once instead. A batch's metric points, EMA states, status and results are written
 in one transaction, and only while this worker still holds the lease, so every batch is scored
 exactly once.
@@ -31,12 +31,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState
 from scoring.scorer import Scorer
-from service.background import lease_owner, poll, retry_through_outage, worker_identity
 from service.errors import MonitorError
 from service.jobs.interrupts import BatchDeleted, LeaseLost, ShuttingDown, TimeLimit, checked
 from service.jobs.recording import ScoredBatch, load_emas, record_step
 from service.jobs.rollouts import score_rollouts
 from service.jobs.scorers import ScorerPool
+from service.loops import lease_owner, poll, retry_through_outage, worker_identity
 from service.schemas import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot

@@ -14,7 +14,7 @@ import time
 import pytest
 from sqlalchemy import exc, text
 
-from service.background import retry_through_outage
+from service.loops import retry_through_outage
 from service.storage.database import make_engine, outage
 
 pytestmark = pytest.mark.integration
