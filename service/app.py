@@ -35,12 +35,12 @@ from service.api.middleware import (
     TrustedHosts,
 )
 from service.api.rate_limit import BodyBudget
+from service.api.state import AppState
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
 from service.jobs.retention import Purger
 from service.loops import start_in_thread
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
 from service.settings import Settings
-from service.state import AppState
 from service.storage import queries
 from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
 from service.storage.readiness import DatabaseProbe

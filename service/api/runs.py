@@ -12,6 +12,7 @@ from fastapi import APIRouter, Body, Query, Response, status
 from fastapi.responses import StreamingResponse
 
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
+from service.api.state import AppState
 from service.ingest import batches, matrices, runs
 from service.schemas import (
     INT32_MAX,
@@ -26,7 +27,6 @@ from service.schemas import (
     RunCreate,
     RunResponse,
 )
-from service.state import AppState
 from service.storage import queries
 from service.storage.tables import iso_time
 

@@ -1,4 +1,4 @@
-"""Dependencies point one way: scoring never pulls in the service stack, and no module imports itself back."""
+"""Dependencies point one way: down the layers of service/, never back up; scoring never pulls in the service stack."""
 
 from __future__ import annotations
 
@@ -125,6 +125,64 @@ def test_no_module_of_scoring_or_service_imports_itself_back():
     # A package's __init__ that re-exports its modules is not a cycle of logic; leave it out.
     graph = {m: {o for o in deps if o not in PACKAGES} for m, deps in graph.items() if m not in PACKAGES}
     assert cycles(graph) == []
+
+
+# The layers of the tree, top first (docs/architecture.md): a module imports its own package or a
+# lower layer, never a higher one. Packages nest by their longest prefix here (alerts by module: its
+# pure rules sit below the wire schemas, its stored state above them).
+LAYERS = (
+    ("service.cli",),
+    ("service.app",),
+    ("service.api",),
+    ("service.ingest",),
+    ("service.jobs",),
+    ("service.alerts.dispatcher", "service.alerts.state"),
+    ("service.alerts.notifications", "service.access", "service.loops", "service.metrics", "service.snapshot"),
+    ("service.schemas",),
+    ("service.alerts.rules",),
+    ("service.storage", "service.web"),
+    ("service.settings", "service.errors"),
+    ("scoring",),
+)
+
+
+def home(module: str) -> tuple[int, str]:
+    """The layer and the entry of ``LAYERS`` a module belongs to (the longest matching prefix)."""
+    entries = [(level, entry) for level, row in enumerate(LAYERS) for entry in row]
+    matches = [(level, entry) for level, entry in entries if module == entry or module.startswith(entry + ".")]
+    assert matches, f"{module} is in no layer of LAYERS: add its package there"
+    return max(matches, key=lambda match: len(match[1]))
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair that goes to a higher layer or sideways into another package."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        level, entry = home(module)
+        for other in sorted(deps):
+            other_level, other_entry = home(other)
+            if other_entry != entry and other_level <= level:
+                found.append((module, other))
+    return found
+
+
+def test_every_import_points_down_the_layers():
+    # The top packages, and package initializers that import nothing (service.alerts: a docstring), sit nowhere.
+    graph = {m: deps - set(PACKAGES) for m, deps in import_graph().items() if m not in PACKAGES and deps}
+    assert upward_imports(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"service.storage.tables": {"service.api.deps"}}, [("service.storage.tables", "service.api.deps")]),
+        ({"service.jobs.worker": {"service.ingest.runs"}}, [("service.jobs.worker", "service.ingest.runs")]),
+        ({"service.access": {"service.loops"}}, [("service.access", "service.loops")]),
+        ({"service.api.runs": {"service.ingest.runs", "service.api.deps"}, "service.schemas": {"scoring.batch"}}, []),
+    ],
+)
+def test_the_layer_check_finds_upward_and_sideways_imports(graph, expected):
+    assert upward_imports(graph) == expected
 
 
 @pytest.mark.parametrize(
