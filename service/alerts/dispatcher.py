@@ -17,7 +17,7 @@ import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.alerts.notifications import redacted_error, redacted_url
-from service.loops import owner_id, poll, retry_through_outage
+from service.loops import Backoff, owner_id, poll, retry_through_outage
 from service.settings import Settings
 from service.storage import queries
 
@@ -33,8 +33,11 @@ LEASE_SECONDS = 2 * 3 * SEND_TIMEOUT_SECONDS
 
 
 def retry_delay(attempts: int, settings: Settings) -> float:
-    """Seconds before the next try after ``attempts`` failed ones: doubling from the first delay, capped."""
-    return float(min(settings.delivery_backoff_seconds * 2 ** (attempts - 1), settings.delivery_backoff_max_seconds))
+    """Seconds before the next try after ``attempts`` failed ones: doubling from the first delay, capped.
+
+    No jitter: a notification's schedule is the documented one, and each is retried on its own.
+    """
+    return Backoff(settings.delivery_backoff_seconds, settings.delivery_backoff_max_seconds).delay(attempts)
 
 
 class RedactedRequestLog(logging.Filter):
