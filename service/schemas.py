@@ -313,9 +313,10 @@ IdempotencyKey = Annotated[
         None,
         min_length=1,
         max_length=200,
-        # `batch_id` is the key's first name, still accepted; answers use batch_id for the server's id.
+        # `batch_id` is the key's first name, still accepted until 1.0 (then removed); answers use batch_id
+        # for the server's id. The 409's error code `batch_id_conflict` and its `field` are wire format: kept.
         validation_alias=AliasChoices("idempotency_key", "batch_id"),
-        description="Idempotency key (also accepted as `batch_id`, its former name): a replay with the same "
+        description="Idempotency key (also accepted as `batch_id`, its former name, until 1.0): a replay with the same "
         "content is answered as the first time; different content under the same key is refused (409).",
     ),
 ]

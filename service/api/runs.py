@@ -35,7 +35,7 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=AccessFirst)
 
 BATCH_EXAMPLE = {
     "step": 12,
-    "batch_id": "ppo-sokoban-step-12",
+    "idempotency_key": "ppo-sokoban-step-12",
     "trajectories": [
         {
             "group_id": 0,
@@ -101,7 +101,7 @@ def delete_run(state: State, access: Caller, run: str) -> Response:
     status_code=status.HTTP_202_ACCEPTED,
     responses={
         404: {"description": "Unknown run"},
-        409: {"description": "batch_id replayed with different content"},
+        409: {"description": "an idempotency_key sent again with different content (error code batch_id_conflict)"},
         413: {"description": "Body or batch over the configured limits"},
         503: {"description": "Scoring queue full; retry after the Retry-After header"},
     },
