@@ -142,7 +142,7 @@ def dependence_matrix(step: int, dependence: float, seed: int = 0, n_columns: in
     )
     return {
         "step": step,
-        "idempotency_key": f"m-{step}",
+        "batch_id": f"m-{step}",
         "row_group_ids": own.tolist(),
         "reasoning_lengths": lengths.tolist(),
         "L_seq": (per_token * lengths[:, None]).tolist(),
