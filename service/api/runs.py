@@ -28,6 +28,7 @@ from service.schemas import (
     RunResponse,
 )
 from service.storage import queries
+from service.storage.queries import SeriesQuery
 from service.storage.tables import iso_time
 
 # AccessFirst: the body routes check access on the headers, then parse the body off the event loop.
@@ -184,7 +185,7 @@ def metric_series(
         with state.sessions() as session:
             target = runs.require_run(session, run)
             found, truncated = queries.metric_columns(
-                session, target.id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all"
+                session, SeriesQuery(target.id, wanted, samplers, from_step, to_step, limit, segments == "all")
             )
         series = [
             {"sampler": s, "name": n, "steps": steps, "values": values}
@@ -195,14 +196,10 @@ def metric_series(
         return Response(orjson.dumps(body), media_type="application/json")
     with state.sessions() as session:
         run_id = runs.require_run(session, run).id  # 404 before the body starts
-    all_segments = segments == "all"
-    query = (run_id, wanted, samplers, from_step, to_step, limit, all_segments)
+    query = SeriesQuery(run_id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all")
     if format == "csv":
         return StreamingResponse(_csv_body(state, query), media_type="text/csv")
     return StreamingResponse(_json_body(state, run, query), media_type="application/json")
-
-
-SeriesQuery = tuple[int, list[str], list[str], int | None, int | None, int, bool]
 
 
 def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]:
@@ -210,7 +207,7 @@ def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]
     yield b'{"run":' + orjson.dumps(run) + b',"points":['
     separator = b""
     with state.sessions() as session:
-        for chunk in queries.metric_series(session, *query):
+        for chunk in queries.metric_series(session, query):
             points = [
                 {
                     "step": step,
@@ -231,12 +228,12 @@ def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]
 
 def _csv_body(state: AppState, query: SeriesQuery) -> Iterator[str]:
     """The points as CSV (``CSV_COLUMNS``, then ``segment`` with segments=all), a chunk at a time."""
-    all_segments = query[-1]
+    all_segments = query.all_segments
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow([*CSV_COLUMNS, "segment"] if all_segments else CSV_COLUMNS)
     with state.sessions() as session:
-        for chunk in queries.metric_series(session, *query):
+        for chunk in queries.metric_series(session, query):
             for step, segment, sampler, name, value, scorer, checkpoint, created in chunk:
                 row = [step, sampler, name, value, scorer, checkpoint, iso_time(created) or ""]
                 writer.writerow([*row, segment] if all_segments else row)
