@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from scoring.partition import Extraction
-from service.alerts.rules import AlertSettings
+from service.schemas import AlertSettings
 from service.storage.tables import Run
 
 

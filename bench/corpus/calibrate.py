@@ -26,9 +26,9 @@ import numpy as np
 
 from bench.corpus.simulate import CORPUS, KINDS, Corpus, Run, Story, halves, load, story
 from scoring.estimators import EmaState
-from service.alerts.rules import TEMPLATE, AlertSettings, Series, Signal, evaluate
+from service.alerts.rules import TEMPLATE, Series, evaluate
 from service.ingest.matrices import score_matrix
-from service.schemas import MatrixBatchIn
+from service.schemas import AlertSettings, MatrixBatchIn, Signal
 
 SAMPLER = "matrix"
 TARGET_DELAY = 3

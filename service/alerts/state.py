@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session
 
 from service.alerts.notifications import notifications
-from service.alerts.rules import RULES_VERSION, AlertSettings, Episode, Replay, Rewind, RuleName, needed_series
+from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, needed_series
+from service.schemas import AlertSettings, RuleName
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import queries

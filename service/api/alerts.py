@@ -7,10 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from service.alerts.notifications import alert_document, delivery_status
-from service.alerts.rules import AlertState, RuleName
 from service.api.deps import Caller, ReadsRun, State
 from service.ingest.runs import require_run
-from service.schemas import AlertResponse, DeliveryStatus
+from service.schemas import AlertResponse, AlertState, DeliveryStatus, RuleName
 from service.storage import queries
 from service.storage.tables import iso_time
 
