@@ -42,7 +42,7 @@ def batch(step: int) -> dict:
             response = "<think>" + filler * 2 + f"Rollout {t}: I move {action}.</think><answer>{action}</answer>"
             turns.append({"prompt": prompt, "response": response})
         trajectories.append({"group_id": t // 8, "reward": float(t % 2), "turns": turns})
-    return {"step": step, "batch_id": f"bench-{step}", "trajectories": trajectories}
+    return {"step": step, "idempotency_key": f"bench-{step}", "trajectories": trajectories}
 
 
 def measure(base: str, requests: int) -> dict:
@@ -146,7 +146,7 @@ def scoring_throughput(base: str, clients: int, batches: int = 12) -> dict:
     stop = threading.Event()
 
     def trainer(i: int) -> None:
-        body = json.dumps(batch(0) | {"batch_id": None}).encode()
+        body = json.dumps(batch(0) | {"idempotency_key": None}).encode()
         with httpx.Client(base_url=base, timeout=60) as http:
             http.post("/v1/runs", json={"name": f"noise-{i}", "schedule": {"every": 1_000_000}})
             step = 2  # off the schedule: these batches are only stored (and their rewards summarised)

@@ -97,7 +97,9 @@ def run(urls: dict[str, str], folder: Path, requests: int) -> None:
             clients[name] = httpx.Client(base_url=base, timeout=30, headers=headers)
         for size, make in (("realistic", batch), ("small", small)):
             run_name = f"bench-{size}"
-            bodies = [json.dumps(make(step) | {"batch_id": f"{size}-{step}"}).encode() for step in range(requests + 20)]
+            bodies = [
+                json.dumps(make(step) | {"idempotency_key": f"{size}-{step}"}).encode() for step in range(requests + 20)
+            ]
             latencies: dict[str, list[float]] = {name: [] for name in clients}
             for client in clients.values():
                 assert client.post("/v1/runs", json={"name": run_name}).status_code == 201

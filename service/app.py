@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
 from service.access import TokenCache
-from service.alert_delivery import Dispatcher
+from service.alerts.dispatcher import Dispatcher
 from service.api import alerts, batches, matrices, overview, pages, runs, system
 from service.api.middleware import (
     AnswerErrors,
@@ -34,16 +34,16 @@ from service.api.middleware import (
     SecurityHeaders,
     TrustedHosts,
 )
-from service.background import start_in_thread
+from service.api.rate_limit import BodyBudget
+from service.api.state import AppState
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
+from service.jobs.retention import Purger
+from service.loops import start_in_thread
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
-from service.rate_limit import BodyBudget
-from service.readiness import DatabaseProbe
-from service.retention import Purger
 from service.settings import Settings
-from service.state import AppState
 from service.storage import queries
 from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
+from service.storage.readiness import DatabaseProbe
 
 log = logging.getLogger("collapse_monitor")
 
@@ -148,8 +148,8 @@ def create_app(settings: Settings) -> FastAPI:
 
 def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading.Event]:
     """Scores in this process; the default scorer starts loading at once (/readyz reports it)."""
-    from service.scorers import ScorerPool
-    from service.worker import Worker
+    from service.jobs.scorers import ScorerPool
+    from service.jobs.worker import Worker
 
     pool = state.pool = ScorerPool(state.settings)
 

@@ -11,7 +11,7 @@
     │   │   ├── RunLimitReached  403  an ingest token that created ``max_runs_per_token`` runs
     │   │   └── ForeignOrigin    403  a state-changing request from a browser page of another origin
     │   ├── NotFound             404  unknown run or batch
-    │   ├── Conflict             409  a batch_id replayed with different content
+    │   ├── Conflict             409  an idempotency_key sent again with different content
     │   │   └── RunConflict      409  a run name re-created with different settings
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds

@@ -2,9 +2,9 @@
 
     python -m bench.corpus.calibrate [--rows 16,32,64] [--healthy-runs 50] [--runs 20] [--steps 40]
 
-Runs are replayed through the service's own code without a database: ``service.ingest.score_matrix``
+Runs are replayed through the service's own code without a database: ``service.ingest.matrices.score_matrix``
 (what ``POST /v1/runs/{run}/matrices`` computes) gives each step's points, and
-``service.alert_rules.evaluate`` (what the alert engine runs after each step) replays the history
+``service.alerts.rules.evaluate`` (what the alert engine runs after each step) replays the history
 under each candidate setting. A candidate is admissible when it raises no alarm in any healthy run
 and none before the onset, at every batch size; among those, the one that detects the most
 collapses within the target delay (3 scored steps) wins, then the smallest mean delay. Prints one
@@ -26,9 +26,9 @@ import numpy as np
 
 from bench.corpus.simulate import CORPUS, KINDS, Corpus, Run, Story, halves, load, story
 from scoring.estimators import EmaState
-from service.alert_rules import TEMPLATE, AlertSettings, Series, Signal, evaluate
-from service.ingest import score_matrix
-from service.schemas import MatrixBatchIn
+from service.alerts.rules import TEMPLATE, Series, evaluate
+from service.ingest.matrices import score_matrix
+from service.schemas import AlertSettings, MatrixBatchIn, Signal
 
 SAMPLER = "matrix"
 TARGET_DELAY = 3
@@ -157,7 +157,7 @@ def evaluate_defaults(corpus: Corpus, sizes: list[int], args: argparse.Namespace
         json.dumps(
             {
                 "half": "evaluation",
-                "path": "service.ingest.score_matrix + service.alert_rules.evaluate (no database)",
+                "path": "service.ingest.matrices.score_matrix + service.alerts.rules.evaluate (no database)",
                 "settings": changed(AlertSettings()),
                 "runs": args.runs,
                 "healthy_runs": args.healthy_runs,

@@ -8,7 +8,7 @@ Stages (each a subcommand writing JSON under --work, so two processes can share 
     templates                  runs pilot unless done; writes traces.json
     score --shard K/N          scores every K-th chunk of traces under every column
     merge                      writes the committed corpus (--out)
-    demo                       writes service/demo_traces.json from it
+    demo                       writes service/cli/demo_traces.json from it
 
 1. healthy traces: for each of the 16 task prompts, samples at temperature 1.0 (seeded), the
    reasoning cut at ``</think>`` and cleaned as the service does (``scoring.partition``);
@@ -319,11 +319,11 @@ def stage_merge(_scorer: Scorer | None, args: argparse.Namespace) -> None:
     log(f"wrote {args.out} ({args.out.stat().st_size} bytes, {n} traces x {len(data['columns'])} prompts)")
 
 
-DEMO = Path("service/demo_traces.json")
+DEMO = Path("service/cli/demo_traces.json")
 
 
 def stage_demo(_scorer: Scorer | None, args: argparse.Namespace) -> None:
-    """service/demo_traces.json: the demo's prompts and a few traces of each, from the corpus."""
+    """service/cli/demo_traces.json: the demo's prompts and a few traces of each, from the corpus."""
     if args.out.exists():
         with gzip.open(args.out, "rt", encoding="utf-8") as f:
             corpus = json.load(f)

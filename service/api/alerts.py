@@ -6,11 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.alert_delivery import alert_document, delivery_status
-from service.alert_rules import AlertState, RuleName
+from service.alerts.notifications import alert_document, delivery_status
 from service.api.deps import Caller, ReadsRun, State
-from service.runs import require_run
-from service.schemas import AlertResponse, DeliveryStatus
+from service.ingest.runs import require_run
+from service.schemas import AlertResponse, AlertState, DeliveryStatus, RuleName
 from service.storage import queries
 from service.storage.tables import iso_time
 

@@ -6,7 +6,7 @@ before its 401, and a malformed one got a 422 instead. ``service.api.deps.Access
 keep their declared bodies (the OpenAPI document is FastAPI's own) but wrap FastAPI's handler:
 
 1. the route's access dependencies run on the headers alone (401/403 before a byte is read);
-2. the body is read, and a ``service.rate_limit.BodyBudget`` share is held while it is parsed, so that
+2. the body is read, and a ``service.api.rate_limit.BodyBudget`` share is held while it is parsed, so that
    concurrent large bodies cannot multiply the memory parsing needs;
 3. in the thread pool: the UTF-8 checks, ``json.loads`` and the model's validation, with the
    errors FastAPI itself gives (same 422 locations and messages, since it is the same parse);

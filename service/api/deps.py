@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from service.access import Access
 from service.api.bodies import ParsedRequest, checked_text, parse_body
-from service.state import AppState
+from service.api.state import AppState
 
 
 def _state(request: Request) -> AppState:

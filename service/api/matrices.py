@@ -63,7 +63,7 @@ def _response(run: str, matrix: ScoreMatrix, batch: Batch) -> MatrixResponse:
     own = np.asarray(matrix.column_of_row, dtype=np.int64)
     order = np.argsort(own, kind="stable")  # rows grouped by their prompt, scoring order within
     result = (batch.result or {}).get("samplers", {}).get(matrix.sampler, {})
-    # Cut when the batch was scored (service.reasoning.reasoning_excerpts); none for uploaded matrices and
+    # Cut when the batch was scored (service.jobs.reasoning.reasoning_excerpts); none for uploaded matrices and
     # for matrices stored before they were kept (reading them from the payload parsed up to 32 MB a poll).
     excerpts = matrix.excerpts or [[] for _ in range(matrix.n_columns)]
     per_prompt = [

@@ -18,19 +18,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from service.api.rate_limit import TokenBuckets
 from service.errors import ForeignOrigin, InvalidRequest, MonitorError, TooLarge, TooManyRequests, UntrustedHost
-from service.rate_limit import TokenBuckets
 
 log = logging.getLogger("collapse_monitor.api")
 
 
-class AnswerErrors:
-    """Answers any exception the handlers let through with a JSON 500 in the documented shape.
-
-    Starlette's own last resort answers plain text and re-raises, and the server then drops the
-    keep-alive connection; here the exception ends with this request. The traceback is logged
-    under an id that the answer names.
-    """
+class HttpOnly:
+    """A plain-ASGI middleware whose ``handle`` sees HTTP requests only; other scopes (lifespan) pass untouched."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -39,6 +34,21 @@ class AnswerErrors:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class AnswerErrors(HttpOnly):
+    """Answers any exception the handlers let through with a JSON 500 in the documented shape.
+
+    Starlette's own last resort answers plain text and re-raises, and the server then drops the
+    keep-alive connection; here the exception ends with this request. The traceback is logged
+    under an id that the answer names.
+    """
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def watch(message: MutableMapping[str, Any]) -> None:
@@ -66,20 +76,14 @@ def method_label(method: str) -> str:
     return method if method in COUNTED_METHODS else "OTHER"
 
 
-class CountRequests:
+class CountRequests(HttpOnly):
     """Counts answered requests by method, route template and status (plain ASGI: no body copies).
 
     Every label is bounded: methods outside ``COUNTED_METHODS`` are OTHER, paths are route
     templates (an unmatched path is ``unmatched``), statuses are HTTP's.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         status = "500"
 
         async def capture(message: MutableMapping[str, Any]) -> None:
@@ -125,17 +129,14 @@ async def refuse(scope: Scope, send: Send, error: MonitorError, reason: str | No
     await JSONResponse(error.body(), status_code=error.status, headers=error.headers())(scope, _drain, send)
 
 
-class BodyLimit:
+class BodyLimit(HttpOnly):
     """Refuses bodies over the limit with 413 before they are read whole, declared length or not."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.limit = limit
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope.get("headers", [])).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             await self._refuse(scope, send, int(declared))
@@ -337,16 +338,10 @@ SECURITY_HEADERS = [
 ]
 
 
-class SecurityHeaders:
+class SecurityHeaders(HttpOnly):
     """Adds the browser-facing headers to every answer: the pages' CSP (no framing), nosniff, no referrer."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def with_headers(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.start":

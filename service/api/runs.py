@@ -11,8 +11,9 @@ import orjson
 from fastapi import APIRouter, Body, Query, Response, status
 from fastapi.responses import StreamingResponse
 
-from service import ingest, runs
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
+from service.api.state import AppState
+from service.ingest import batches, matrices, runs
 from service.schemas import (
     INT32_MAX,
     BatchAccepted,
@@ -26,8 +27,8 @@ from service.schemas import (
     RunCreate,
     RunResponse,
 )
-from service.state import AppState
 from service.storage import queries
+from service.storage.queries import SeriesQuery
 from service.storage.tables import iso_time
 
 # AccessFirst: the body routes check access on the headers, then parse the body off the event loop.
@@ -35,7 +36,7 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=AccessFirst)
 
 BATCH_EXAMPLE = {
     "step": 12,
-    "batch_id": "ppo-sokoban-step-12",
+    "idempotency_key": "ppo-sokoban-step-12",
     "trajectories": [
         {
             "group_id": 0,
@@ -101,7 +102,7 @@ def delete_run(state: State, access: Caller, run: str) -> Response:
     status_code=status.HTTP_202_ACCEPTED,
     responses={
         404: {"description": "Unknown run"},
-        409: {"description": "batch_id replayed with different content"},
+        409: {"description": "an idempotency_key sent again with different content (error code batch_id_conflict)"},
         413: {"description": "Body or batch over the configured limits"},
         503: {"description": "Scoring queue full; retry after the Retry-After header"},
     },
@@ -114,13 +115,13 @@ def ingest_batch(
     body: Annotated[BatchIn, Body(openapi_examples={"two groups": {"value": BATCH_EXAMPLE}})],
 ) -> BatchAccepted:
     """Accepts one training step's rollouts; answers before any scoring (follow ``status_url``)."""
-    return ingest.ingest_rollouts(state.sessions, state.settings, run, raw, body)
+    return batches.ingest_rollouts(state.sessions, state.settings, run, raw, body)
 
 
 @router.post("/{run}/matrices", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
-    return ingest.ingest_matrix(state.sessions, state.settings, run, raw, body)
+    return matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
 
 
 @router.post("/{run}/checkpoints", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
@@ -184,7 +185,7 @@ def metric_series(
         with state.sessions() as session:
             target = runs.require_run(session, run)
             found, truncated = queries.metric_columns(
-                session, target.id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all"
+                session, SeriesQuery(target.id, wanted, samplers, from_step, to_step, limit, segments == "all")
             )
         series = [
             {"sampler": s, "name": n, "steps": steps, "values": values}
@@ -195,14 +196,10 @@ def metric_series(
         return Response(orjson.dumps(body), media_type="application/json")
     with state.sessions() as session:
         run_id = runs.require_run(session, run).id  # 404 before the body starts
-    all_segments = segments == "all"
-    query = (run_id, wanted, samplers, from_step, to_step, limit, all_segments)
+    query = SeriesQuery(run_id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all")
     if format == "csv":
         return StreamingResponse(_csv_body(state, query), media_type="text/csv")
     return StreamingResponse(_json_body(state, run, query), media_type="application/json")
-
-
-SeriesQuery = tuple[int, list[str], list[str], int | None, int | None, int, bool]
 
 
 def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]:
@@ -210,7 +207,7 @@ def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]
     yield b'{"run":' + orjson.dumps(run) + b',"points":['
     separator = b""
     with state.sessions() as session:
-        for chunk in queries.metric_series(session, *query):
+        for chunk in queries.metric_series(session, query):
             points = [
                 {
                     "step": step,
@@ -231,12 +228,12 @@ def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]
 
 def _csv_body(state: AppState, query: SeriesQuery) -> Iterator[str]:
     """The points as CSV (``CSV_COLUMNS``, then ``segment`` with segments=all), a chunk at a time."""
-    all_segments = query[-1]
+    all_segments = query.all_segments
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow([*CSV_COLUMNS, "segment"] if all_segments else CSV_COLUMNS)
     with state.sessions() as session:
-        for chunk in queries.metric_series(session, *query):
+        for chunk in queries.metric_series(session, query):
             for step, segment, sampler, name, value, scorer, checkpoint, created in chunk:
                 row = [step, sampler, name, value, scorer, checkpoint, iso_time(created) or ""]
                 writer.writerow([*row, segment] if all_segments else row)

@@ -10,10 +10,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from scoring.snr_filter import filter_groups
 from service.api.deps import AccessFirst, Caller, ReadsNoRunData, State
+from service.api.state import AppState
 from service.errors import TooLarge
 from service.metrics import EXPORTED, NAMESPACE
 from service.schemas import CatalogueEntry, CatalogueResponse, FilterRequest, FilterResponse
-from service.state import AppState
 
 router = APIRouter(route_class=AccessFirst)  # POST /v1/filter: access on the headers, then the body
 

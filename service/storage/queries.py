@@ -506,19 +506,23 @@ SeriesRow = tuple[int, int, str, str, float, str | None, str | None, datetime]  
 # value, scorer, checkpoint, created_at
 
 
-def metric_series(
-    session: Session,
-    run_id: int,
-    names: Sequence[str] | None,
-    samplers: Sequence[str] | None,
-    from_step: int | None,
-    to_step: int | None,
-    limit: int,
-    all_segments: bool = False,
-    chunk_rows: int = 10_000,
-) -> Iterator[list[SeriesRow]]:
-    """A run's points in step order, ``chunk_rows`` at a time: the ones in force, or with ``all_segments``
-    the superseded ones too.
+@dataclass(frozen=True)
+class SeriesQuery:
+    """Which of a run's metric points a read wants: these names and samplers (every one when empty),
+    steps from ``from_step`` to ``to_step``, at most ``limit`` points; the ones in force, or with
+    ``all_segments`` the superseded ones too."""
+
+    run_id: int
+    names: Sequence[str] = ()
+    samplers: Sequence[str] = ()
+    from_step: int | None = None
+    to_step: int | None = None
+    limit: int = 100_000
+    all_segments: bool = False
+
+
+def metric_series(session: Session, wanted: SeriesQuery, chunk_rows: int = 10_000) -> Iterator[list[SeriesRow]]:
+    """The ``wanted`` points in step order, ``chunk_rows`` at a time.
 
     Plain rows fetched as the caller consumes them (a server-side cursor on Postgres), so a read
     of up to a million points holds one chunk at a time: as ORM objects it held ~1 KB a point.
@@ -532,37 +536,30 @@ def metric_series(
         MetricPoint.scorer,
         MetricPoint.checkpoint,
         MetricPoint.created_at,
-    ).where(MetricPoint.run_id == run_id)
-    if not all_segments:
-        query = query.where(_visible(segment_ends(session, run_id)))
-    if names:
-        query = query.where(MetricPoint.name.in_(names))
-    if samplers:
-        query = query.where(MetricPoint.sampler.in_(samplers))
-    if from_step is not None:
-        query = query.where(MetricPoint.step >= from_step)
-    if to_step is not None:
-        query = query.where(MetricPoint.step <= to_step)
+    ).where(MetricPoint.run_id == wanted.run_id)
+    if not wanted.all_segments:
+        query = query.where(_visible(segment_ends(session, wanted.run_id)))
+    if wanted.names:
+        query = query.where(MetricPoint.name.in_(wanted.names))
+    if wanted.samplers:
+        query = query.where(MetricPoint.sampler.in_(wanted.samplers))
+    if wanted.from_step is not None:
+        query = query.where(MetricPoint.step >= wanted.from_step)
+    if wanted.to_step is not None:
+        query = query.where(MetricPoint.step <= wanted.to_step)
     query = query.order_by(
         MetricPoint.step, MetricPoint.segment, MetricPoint.sampler, MetricPoint.name, MetricPoint.id
-    ).limit(limit)
+    ).limit(wanted.limit)
     for partition in session.execute(query.execution_options(yield_per=chunk_rows)).partitions():
         yield [tuple(row) for row in partition]  # type: ignore[misc]  # the selected columns, in order
 
 
 def metric_columns(
-    session: Session,
-    run_id: int,
-    names: Sequence[str] | None,
-    samplers: Sequence[str] | None,
-    from_step: int | None,
-    to_step: int | None,
-    limit: int,
-    all_segments: bool = False,
+    session: Session, wanted: SeriesQuery
 ) -> tuple[dict[tuple[str, str], tuple[list[int], list[float]]], bool]:
-    """(sampler, name) -> (steps, values), ascending steps: the points of ``metric_series`` as columns
-    (the ones in force, or with ``all_segments`` the superseded ones too), at most ``limit`` of them
-    (whole series first, in sampler and name order), and whether there were more.
+    """(sampler, name) -> (steps, values), ascending steps: the points of ``metric_series`` as columns,
+    at most ``wanted.limit`` of them (whole series first, in sampler and name order), and whether
+    there were more.
 
     A run's whole history (10,000 steps x 20 series) is read fast: the run's series are listed from
     the latest-value table, then each is one range of the covering (run, sampler, name, step,
@@ -570,11 +567,12 @@ def metric_columns(
     one busy 2-core machine: ORM rows of one query 1.2 s, driver rows of one query 0.6-1.2 s
     (text columns on every row), driver rows of one query per series 0.5 s.
     """
+    run_id, from_step, to_step = wanted.run_id, wanted.from_step, wanted.to_step
     pairs = select(LatestMetric.sampler, LatestMetric.name).where(LatestMetric.run_id == run_id)
-    if names:
-        pairs = pairs.where(LatestMetric.name.in_(names))
-    if samplers:
-        pairs = pairs.where(LatestMetric.sampler.in_(samplers))
+    if wanted.names:
+        pairs = pairs.where(LatestMetric.name.in_(wanted.names))
+    if wanted.samplers:
+        pairs = pairs.where(LatestMetric.sampler.in_(wanted.samplers))
     query = select(MetricPoint.step, MetricPoint.value).where(
         MetricPoint.run_id == run_id,
         MetricPoint.sampler == bindparam("sampler"),
@@ -582,11 +580,11 @@ def metric_columns(
         *([MetricPoint.step >= from_step] if from_step is not None else []),
         *([MetricPoint.step <= to_step] if to_step is not None else []),
         # A run that never resumed has no superseded points: then this is TRUE and the index alone serves.
-        *([] if all_segments else [_visible(segment_ends(session, run_id))]),
+        *([] if wanted.all_segments else [_visible(segment_ends(session, run_id))]),
     )
     query = query.order_by(MetricPoint.step, MetricPoint.segment).limit(bindparam("limit"))
     out: dict[tuple[str, str], tuple[list[int], list[float]]] = {}
-    left = limit
+    left = wanted.limit
     with driver_cursor(session, query) as fetch:
         for sampler, name in session.execute(pairs.order_by(LatestMetric.sampler, LatestMetric.name)).all():
             rows = fetch({"sampler": sampler, "name": name, "limit": left + 1})

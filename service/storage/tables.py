@@ -203,7 +203,7 @@ class Alert(Base):
 
 
 class AlertCheckpoint(Base):
-    """The alert rules' state of one (run, sampler) after its newest evaluated step (``alert_rules.Replay``).
+    """The alert rules' state of one (run, sampler) after its newest evaluated step (``alerts.rules.Replay``).
 
     The next step's evaluation resumes from it and reads only the points after ``step``, while the
     run stays in ``segment`` under the same rules (``rules_key``); otherwise it replays the whole

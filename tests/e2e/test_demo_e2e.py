@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from service.demo import TEMPLATES, rollouts, run_demo
+from service.cli.demo import TEMPLATES, rollouts, run_demo
 from tests.e2e.conftest import service_env, start_service
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import subprocess
 import httpx
 import pytest
 
-from service.demo import run_demo
+from service.cli.demo import run_demo
 from tests.e2e.conftest import BIN, free_port, need, service_env, start_service, wait_until
 from tests.fixtures import dependence_matrix
 

@@ -10,10 +10,9 @@ import pytest
 from sqlalchemy import delete, event, insert, select, update
 from sqlalchemy.orm import Session
 
-from service.alert_rules import AlertSettings
-from service.recording import ALL, ScoredBatch, record_step
-from service.runs import RunSnapshot
-from service.schemas import BatchResult, SamplerResult
+from service.jobs.recording import ALL, ScoredBatch, record_step
+from service.schemas import AlertSettings, BatchResult, SamplerResult
+from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.queries import Point

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from service.alert_delivery import redacted_error, redacted_url
+from service.alerts.notifications import redacted_error, redacted_url
 from tests.fixtures import dependence_matrix
 
 pytestmark = pytest.mark.integration

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from scoring.models import build_tiny_random
-from service.scorers import ScorerPool
-from service.worker import Worker
+from service.jobs.scorers import ScorerPool
+from service.jobs.worker import Worker
 from tests.fixtures import trajectories, wait_for
 
 pytestmark = pytest.mark.integration

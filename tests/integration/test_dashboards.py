@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from service.dashboards import DASHBOARDS_DIR
+from service.cli.dashboards import DASHBOARDS_DIR
 from service.metrics import EXPORTED
 from service.storage.database import migrate
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run

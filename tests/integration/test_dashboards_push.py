@@ -1,4 +1,4 @@
-"""``service.dashboards.push_dashboards`` against an HTTP server on loopback that answers like Grafana's API."""
+"""``service.cli.dashboards.push_dashboards`` against an HTTP server on loopback that answers like Grafana's API."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from service.dashboards import DashboardPushError, push_dashboards
+from service.cli.dashboards import DashboardPushError, push_dashboards
 from tests.integration.test_dashboards import dashboards
 
 pytestmark = pytest.mark.integration
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_push_helper_does_not_import_fastapi():
-    code = "import sys, service.dashboards; print('fastapi' in sys.modules)"
+    code = "import sys, service.cli.dashboards; print('fastapi' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "False"
 

@@ -14,7 +14,7 @@ import time
 import pytest
 from sqlalchemy import exc, text
 
-from service.background import retry_through_outage
+from service.loops import retry_through_outage
 from service.storage.database import make_engine, outage
 
 pytestmark = pytest.mark.integration
@@ -93,8 +93,8 @@ def test_a_finishing_write_is_retried_through_an_outage_until_its_deadline(caplo
     log = logging.getLogger("test")
     assert retry_through_outage(write_after_two_refusals, time.monotonic() + 30, log, "finishing") == "written"
     gaps = [b - a for a, b in itertools.pairwise(tries)]
-    assert 0.5 <= gaps[0] < 1.0  # retry_delay(1)
-    assert 1.0 <= gaps[1] < 2.0  # retry_delay(2)
+    assert 0.5 <= gaps[0] < 1.0  # ROUND_BACKOFF.delay(1): 0.5 s and up to a quarter more
+    assert 1.0 <= gaps[1] < 2.0  # ROUND_BACKOFF.delay(2): 1 s and up to a quarter more
     assert "database unreachable" in caplog.text
 
     def refused() -> None:

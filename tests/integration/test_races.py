@@ -17,12 +17,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event, func, select, update
 
 from service.app import create_app
-from service.runs import delete_run
-from service.scorers import ScorerPool
+from service.ingest.runs import delete_run
+from service.jobs.scorers import ScorerPool
+from service.jobs.worker import Worker
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Alert, AlertDelivery, Batch, MetricPoint, Run, as_utc
-from service.worker import Worker
 from tests.fixtures import dependence_matrix, trajectories
 
 pytestmark = pytest.mark.integration

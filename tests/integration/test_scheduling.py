@@ -13,11 +13,11 @@ from sqlalchemy.exc import OperationalError
 
 from service.access import issue_token
 from service.app import create_app
-from service.scorers import ScorerPool
+from service.jobs.scorers import ScorerPool
+from service.jobs.worker import Worker
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, MetricPoint, Run
-from service.worker import Worker
 from tests.fixtures import trajectories
 
 pytestmark = pytest.mark.integration

@@ -8,11 +8,11 @@ import time
 import pytest
 from sqlalchemy import func, select
 
-from service.scorers import ScorerPool
+from service.jobs.scorers import ScorerPool
+from service.jobs.worker import Worker
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.tables import Batch, EmaRecord, MetricPoint
-from service.worker import Worker
 from tests.fixtures import trajectories, wait_for
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""service/alert_delivery.py without a network: what each receiver is sent, and the retry schedule."""
+"""service/alerts/notifications.py and dispatcher.py offline: what each receiver is sent, the retry schedule."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from service.alert_delivery import alert_document, alertmanager_alert, notifications, retry_delay
+from service.alerts.dispatcher import retry_delay
+from service.alerts.notifications import alert_document, alertmanager_alert, notifications
 from service.settings import Settings
 from service.storage.tables import Alert
 

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from service.alert_rules import AlertSettings, Episode, Replay, Rewind, evaluate
+from service.alerts.rules import Episode, Replay, Rewind, evaluate
+from service.schemas import AlertSettings
 
 # These series are mi_zscore_ema's, written for the settings before the corpus calibration (issue 12).
 ZSCORE = AlertSettings(signal="mi_zscore_ema", drop_fraction=0.4, window=3, use_intervals=True)

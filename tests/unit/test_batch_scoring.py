@@ -1,4 +1,4 @@
-"""service/batch_scoring.py without a database: the schedule and a batch's reward figures."""
+"""service/jobs/rollouts.py without a database: the schedule and a batch's reward figures."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from scoring.snr_filter import FilterConfig, filter_groups
-from service.reward_figures import reward_figures
-from service.runs import is_scheduled
+from service.jobs.reward_figures import reward_figures
 from service.schemas import BatchIn, FilterSettings
+from service.snapshot import is_scheduled
 
 
 @pytest.mark.parametrize(

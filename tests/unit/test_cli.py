@@ -249,15 +249,16 @@ def test_the_installed_console_script_exits_2_without_a_traceback(tmp_path):
 def test_threads_caps_the_scoring_process_from_the_flag_or_the_environment(monkeypatch):
     import torch
 
-    from service.cli import _build_parser, service_settings
-    from service.scorers import ScorerPool
+    from service.cli.flags import service_settings
+    from service.cli.main import build_parser
+    from service.jobs.scorers import ScorerPool
 
     for key in [k for k in os.environ if k.startswith("COLLAPSE_MONITOR_")]:
         monkeypatch.delenv(key)
-    args = _build_parser().parse_args(["serve", "--threads", "1"])
+    args = build_parser().parse_args(["serve", "--threads", "1"])
     assert service_settings(args).threads == 1
     monkeypatch.setenv("COLLAPSE_MONITOR_THREADS", "2")
-    settings = service_settings(_build_parser().parse_args(["worker"]))
+    settings = service_settings(build_parser().parse_args(["worker"]))
     assert settings.threads == 2
     before = torch.get_num_threads()
     try:

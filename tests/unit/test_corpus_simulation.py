@@ -10,7 +10,8 @@ import pytest
 from bench.corpus.calibrate import first_fire, replay
 from bench.corpus.simulate import SHARP_SHARE, Corpus, Run, Story, halves, story
 from scoring.estimators import between_step_variance, cusum, lost_input_dependence
-from service.alert_rules import AlertSettings, evaluate
+from service.alerts.rules import evaluate
+from service.schemas import AlertSettings
 
 PROMPTS, PER_PROMPT, STYLES, PER_STYLE, LENGTH = 8, 16, 2, 16, 20
 

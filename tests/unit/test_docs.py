@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from service.alert_rules import settings_table
+from service.alerts.rules import settings_table
 from service.metrics import catalogue_markdown
 from service.settings import Settings, settings_markdown
 

@@ -1,4 +1,4 @@
-"""Dependencies point one way: scoring never pulls in the service stack, and no module imports itself back."""
+"""Dependencies point one way: down the layers of service/, never back up; scoring never pulls in the service stack."""
 
 from __future__ import annotations
 
@@ -37,22 +37,28 @@ def test_wire_schemas_import_no_web_framework_database_or_torch():
     assert not loaded & {"fastapi", "starlette", "sqlalchemy", "torch"}
 
 
+def modules_under(*folders: str) -> list[str]:
+    """The dotted names of every module below ``folders`` (relative to the root), migrations aside."""
+    found = []
+    for folder in folders:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if "migrations" not in path.parts:
+                parts = path.relative_to(ROOT).with_suffix("").parts
+                found.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return found
+
+
 def test_use_cases_storage_metrics_and_alerts_import_no_web_framework():
-    loaded = modules_loaded_by(
-        "import service.storage.queries, service.storage.database, service.metrics, service.alert_rules, "
-        "service.alert_state, service.alert_delivery, service.ingest, service.runs, service.recording, "
-        "service.batch_scoring, service.worker, service.storage.overview, service.storage.matrices"
-    )
+    below_the_api = modules_under("service/storage", "service/alerts", "service/ingest", "service/jobs")
+    loaded = modules_loaded_by("import " + ", ".join([*below_the_api, "service.metrics", "service.snapshot"]))
     assert not loaded & {"fastapi", "starlette", "uvicorn"}
 
 
 def test_routers_never_load_the_composition_root_and_an_api_process_never_loads_torch():
-    routers = modules_loaded_by(
-        "import service.api.runs, service.api.batches, service.api.alerts, service.api.system, "
-        "service.api.overview, service.api.matrices, service.api.pages"
-    )
+    routers = modules_loaded_by("import " + ", ".join(modules_under("service/api")))
     assert "service.app" not in routers
-    assert not modules_loaded_by("import service.app, service.ingest") & {"torch", "transformers", "service.worker"}
+    api_process = modules_loaded_by("import " + ", ".join(["service.app", *modules_under("service/ingest")]))
+    assert not api_process & {"torch", "transformers", "service.jobs.worker"}
 
 
 def _imports(path: Path, module: str) -> set[str]:
@@ -119,6 +125,63 @@ def test_no_module_of_scoring_or_service_imports_itself_back():
     # A package's __init__ that re-exports its modules is not a cycle of logic; leave it out.
     graph = {m: {o for o in deps if o not in PACKAGES} for m, deps in graph.items() if m not in PACKAGES}
     assert cycles(graph) == []
+
+
+# The layers of the tree, top first (docs/architecture.md): a module imports its own package or a
+# lower layer, never a higher one or another package of its own layer. A module belongs to the
+# entry that is its longest prefix.
+LAYERS = (
+    ("service.cli",),
+    ("service.app",),
+    ("service.api",),
+    ("service.ingest",),
+    ("service.jobs",),
+    ("service.alerts",),
+    ("service.access", "service.loops", "service.metrics", "service.snapshot"),
+    ("service.schemas",),
+    ("service.storage", "service.web"),
+    ("service.settings", "service.errors"),
+    ("scoring",),
+)
+
+
+def home(module: str) -> tuple[int, str]:
+    """The layer and the entry of ``LAYERS`` a module belongs to (the longest matching prefix)."""
+    entries = [(level, entry) for level, row in enumerate(LAYERS) for entry in row]
+    matches = [(level, entry) for level, entry in entries if module == entry or module.startswith(entry + ".")]
+    assert matches, f"{module} is in no layer of LAYERS: add its package there"
+    return max(matches, key=lambda match: len(match[1]))
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair that goes to a higher layer or sideways into another package."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        level, entry = home(module)
+        for other in sorted(deps):
+            other_level, other_entry = home(other)
+            if other_entry != entry and other_level <= level:
+                found.append((module, other))
+    return found
+
+
+def test_every_import_points_down_the_layers():
+    # The top packages sit in no layer; a module that imports none of the tree cannot point up.
+    graph = {m: deps - set(PACKAGES) for m, deps in import_graph().items() if m not in PACKAGES and deps}
+    assert upward_imports(graph) == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [
+        ({"service.storage.tables": {"service.api.deps"}}, [("service.storage.tables", "service.api.deps")]),
+        ({"service.jobs.worker": {"service.ingest.runs"}}, [("service.jobs.worker", "service.ingest.runs")]),
+        ({"service.access": {"service.loops"}}, [("service.access", "service.loops")]),
+        ({"service.api.runs": {"service.ingest.runs", "service.api.deps"}, "service.schemas": {"scoring.batch"}}, []),
+    ],
+)
+def test_the_layer_check_finds_upward_and_sideways_imports(graph, expected):
+    assert upward_imports(graph) == expected
 
 
 @pytest.mark.parametrize(

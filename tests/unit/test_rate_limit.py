@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from service.api.rate_limit import BodyBudget, TokenBuckets
 from service.errors import ParsingBusy
-from service.rate_limit import BodyBudget, TokenBuckets
 
 
 def test_a_burst_passes_then_requests_wait_for_the_refill():

@@ -1,10 +1,10 @@
-"""service/reasoning.py: how a batch's turns carry reasoning, and what ingest warns about."""
+"""service/jobs/reasoning.py: how a batch's turns carry reasoning, and what ingest warns about."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.reasoning import group_extractions, ingest_warnings, reasoning_summary
+from service.jobs.reasoning import group_extractions, ingest_warnings, reasoning_summary
 from service.schemas import BatchIn
 
 

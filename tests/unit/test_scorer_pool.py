@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from scoring import Scorer
-from service.scorers import ScorerPool
+from service.jobs.scorers import ScorerPool
 from service.settings import Settings
 
 WAIT_SECONDS = 60.0  # generous: only a pool that serialises loads waits this long

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from service.background import lease_owner, worker_identity
+from service.loops import lease_owner, worker_identity
 from service.settings import Settings
 
 
@@ -35,7 +35,7 @@ def test_a_killed_process_frees_its_slot(tmp_path):
         [
             sys.executable,
             "-c",
-            f"from service.background import worker_identity as w; from pathlib import Path; "
+            f"from service.loops import worker_identity as w; from pathlib import Path; "
             f"w(Path({str(tmp_path)!r}), ''); print('held', flush=True); import time; time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -72,7 +72,7 @@ def test_a_worker_name_may_not_hold_the_owner_separator():
 LOADING = """
 import threading, time
 import torch
-from service.worker import LOADER, leave_if_loading
+from service.jobs.interrupts import LOADER, leave_if_loading
 started = threading.Event()
 def load():
     a = torch.randn(256, 256)

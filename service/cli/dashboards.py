@@ -21,7 +21,7 @@ from grafana_client.client import GrafanaException, TokenAuth
 from niquests.exceptions import RequestException
 
 # The JSON lives in the source tree, next to the provisioning files; a wheel does not carry it.
-DASHBOARDS_DIR = Path(__file__).resolve().parent.parent / "dashboards" / "grafana"
+DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "dashboards" / "grafana"
 TIMEOUT_SECONDS = 10.0
 
 _HINTS = {

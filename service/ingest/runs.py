@@ -1,66 +1,22 @@
-"""Runs: creating one (idempotently), what scoring needs to know of one, and its policy checkpoints.
+"""Runs: creating one (idempotently), deleting one, and announcing its policy checkpoints.
 
 The HTTP handlers only parse and respond; the rules live here. Must not import fastapi.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
-
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from scoring.partition import Extraction
 from service.access import Token
-from service.alert_rules import AlertSettings
 from service.errors import InvalidRequest, NotFound, RunConflict, RunLimitReached
-from service.pace import run_pace
+from service.ingest.pace import run_pace
+from service.jobs.checkpoints import resolve_checkpoint
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
-from service.storage import queries, retention, tokens
+from service.snapshot import RunSnapshot
+from service.storage import deletion, queries, tokens
 from service.storage.tables import Checkpoint, Run
-
-
-@dataclass(frozen=True)
-class RunSnapshot:
-    """What scoring and the alert rules need to know about a run, detached from any session."""
-
-    id: int
-    name: str
-    scorer: str
-    scorer_mode: str
-    score_every: int
-    samplers: tuple[str, ...]
-    num_samples: int | None
-    seed: int
-    temperature: float
-    filter: dict[str, Any]
-    alerts: AlertSettings
-    reasoning_extraction: Extraction = "auto"
-
-    @classmethod
-    def of(cls, run: Run) -> RunSnapshot:
-        return cls(
-            id=run.id,
-            name=run.name,
-            scorer=run.scorer,
-            scorer_mode=run.scorer_mode,
-            score_every=run.score_every,
-            samplers=tuple(run.samplers),
-            num_samples=run.num_samples,
-            seed=run.seed,
-            temperature=run.temperature,
-            filter=dict(run.filter),
-            alerts=AlertSettings.model_validate(run.alert_rules),
-            reasoning_extraction=cast(Extraction, run.reasoning_extraction),
-        )
-
-
-def is_scheduled(step: int, every: int) -> bool:
-    """RAGEN's compute_freq rule: step 1 and every multiple of ``every``; every step when it is 1."""
-    return every == 1 or step == 1 or (step > 0 and step % every == 0)
 
 
 def require_run(session: Session, name: str) -> Run:
@@ -181,7 +137,7 @@ def delete_run(sessions: sessionmaker[Session], name: str) -> dict[str, int]:
     Two deletes of one run at once: the second finds no row left to delete, and answers 404 too.
     """
     with sessions.begin() as session:
-        deleted = retention.delete_run(session, require_run(session, name).id)
+        deleted = deletion.delete_run(session, require_run(session, name).id)
         if not deleted["runs"]:
             raise NotFound(f"run {name!r} does not exist (it was deleted meanwhile)", field="run")
         return deleted
@@ -222,58 +178,3 @@ def announce_checkpoint(
                     f"run {run_name!r} was deleted while the checkpoint was being recorded", field="run"
                 ) from e
         raise
-
-
-def resolve_checkpoint(settings: Settings, path: str, kind: str) -> Path:
-    """The checkpoint folder ``path`` names, if it lies under the allow-listed root and looks right."""
-    root = _checkpoint_root(settings)
-    folder = (root / path).resolve()
-    if not folder.is_relative_to(root):
-        raise InvalidRequest(f"path must lie under the checkpoint root {str(root)!r}, got {path!r}", field="path")
-    _check_folder(root, folder, kind, f"{path!r}")
-    return folder
-
-
-def checkpoint_at_load(settings: Settings, folder: Path, kind: str) -> Path:
-    """The announced checkpoint ``folder``, resolved and checked against the root again just before it is loaded.
-
-    It was checked when announced, but a folder under the root can be replaced by a link to
-    anywhere afterwards (or a file in it by one): loading follows links, so the check is redone
-    on what would be read now, and the folder is loaded by its resolved path. 400-style
-    ``InvalidRequest``: the worker fails the batch with this reason.
-    """
-    root = _checkpoint_root(settings)
-    resolved = folder.resolve()
-    if not resolved.is_relative_to(root):
-        raise InvalidRequest(
-            f"the {kind} checkpoint {str(folder)!r} now resolves to {str(resolved)!r}, outside the checkpoint root "
-            f"{str(root)!r} (replaced by a link since it was announced); it was not loaded",
-            field="path",
-        )
-    _check_folder(root, resolved, kind, f"{str(folder)!r}")
-    return resolved
-
-
-def _checkpoint_root(settings: Settings) -> Path:
-    if settings.checkpoint_root is None:
-        raise InvalidRequest(
-            "checkpoints are disabled on this server: set checkpoint_root (COLLAPSE_MONITOR_CHECKPOINT_ROOT)",
-            field="path",
-        )
-    return settings.checkpoint_root.resolve()
-
-
-def _check_folder(root: Path, folder: Path, kind: str, named: str) -> None:
-    """The folder holds its kind's marker file, and nothing in it is a link leading out of ``root``."""
-    marker = "adapter_config.json" if kind == "lora" else "config.json"
-    if not (folder / marker).is_file():
-        raise InvalidRequest(
-            f"a {kind} checkpoint folder must contain {marker}; {str(folder)!r} does not", field="path"
-        )
-    for entry in folder.iterdir():  # what a loader reads: config, weights, tokenizer files
-        if not entry.resolve().is_relative_to(root):
-            raise InvalidRequest(
-                f"the checkpoint {named} holds {entry.name!r}, a link to {str(entry.resolve())!r} outside the "
-                f"checkpoint root {str(root)!r}",
-                field="path",
-            )

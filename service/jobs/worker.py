@@ -2,7 +2,7 @@
 
 Durability: a batch is claimed under a lease that a heartbeat renews while it is scored. If the
 worker dies, the lease runs out and the batch is claimed again (up to ``max_attempts`` times); a
-worker restarted under the same name (``background.worker_identity``) puts its predecessor's
+worker restarted under the same name (``loops.worker_identity``) puts its predecessor's
 batches back at once instead. A batch's metric points, EMA states, status and results are written
 in one transaction, and only while this worker still holds the lease, so every batch is scored
 exactly once.
@@ -25,48 +25,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState
 from scoring.scorer import Scorer
-from service.background import lease_owner, poll, retry_through_outage, worker_identity
-from service.batch_scoring import score_rollouts
 from service.errors import MonitorError
-from service.recording import ScoredBatch, load_emas, record_step
-from service.runs import RunSnapshot
+from service.jobs.interrupts import BatchDeleted, LeaseLost, ShuttingDown, TimeLimit, checked
+from service.jobs.recording import ScoredBatch, load_emas, record_step
+from service.jobs.rollouts import score_rollouts
+from service.jobs.scorers import ScorerPool
+from service.loops import lease_owner, poll, retry_through_outage, worker_identity
 from service.schemas import BatchIn
-from service.scorers import ScorerPool
 from service.settings import Settings
+from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.database import outage
 from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
-
-T = TypeVar("T")
-
-
-class Interrupted(Exception):
-    """Raised between layers of a scoring to abandon it; the subclass says why."""
-
-
-class ShuttingDown(Interrupted):
-    """The worker was asked to stop: the batch goes back to the queue, no attempt counted."""
-
-
-class LeaseLost(Interrupted):
-    """Another worker holds the batch now (this one was presumed dead): nothing to write."""
-
-
-class BatchDeleted(LeaseLost):
-    """The batch's run was deleted after the claim: nothing to score or write."""
-
-
-class TimeLimit(Interrupted):
-    """The batch ran past ``max_scoring_seconds``: it fails with this message."""
 
 
 @dataclass(frozen=True)
@@ -80,48 +58,6 @@ class Claimed:
     emas: dict[str, EmaState]
     checkpoint_path: str | None
     checkpoint_kind: str | None
-
-
-LOADER = "scorer-load"  # the name of a model-loading thread
-
-
-def leave_if_loading() -> None:
-    """Ends the process at once (status 0) when a model load abandoned at shutdown still runs.
-
-    The load is inside torch's C++ code, and finalizing the interpreter under it aborts the
-    process (std::terminate: status -6, seen under load when SIGTERM came during a load). Its
-    result would be thrown away anyway; everything else is already stopped and written.
-    """
-    if any(thread.name == LOADER and thread.is_alive() for thread in threading.enumerate()):
-        log.info("exiting without waiting for an abandoned model load")
-        logging.shutdown()
-        os._exit(0)
-
-
-def checked(work: Callable[[], T], check: Callable[[], None]) -> T:
-    """``work()``, run in a daemon thread while ``check`` is called every 0.1 s.
-
-    Loading a model (seconds to a minute, converting a GGUF) has no layers to check between; an
-    exception from ``check`` leaves the load to finish in the background (into the pool, where
-    the next batch finds it) or to die with the process.
-    """
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(work())
-        except BaseException as e:  # handed to the caller's thread below
-            error.append(e)
-
-    thread = threading.Thread(target=target, name=LOADER, daemon=True)
-    thread.start()
-    while thread.is_alive():
-        check()
-        thread.join(0.1)
-    if error:
-        raise error[0]
-    return result[0]
 
 
 class Worker:

@@ -15,10 +15,10 @@ from sqlalchemy.orm import Session
 
 from scoring.estimators import Diagnostics, EmaState
 from scoring.window import WindowCut
-from service.alert_state import update_alerts
-from service.runs import RunSnapshot
+from service.alerts.state import update_alerts
 from service.schemas import BatchResult, SamplerResult
 from service.settings import Settings
+from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.matrices import MatrixRecord, save_matrices
 from service.storage.queries import Point

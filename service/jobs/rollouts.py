@@ -2,7 +2,7 @@
 
 Pure computation on a snapshot of the run and the payload (the kernel runs here, so this module
 loads torch): everything the batch writes comes back as one ``ScoredBatch``, which
-``service.recording`` writes. Must not import fastapi or touch the database.
+``service.jobs.recording`` writes. Must not import fastapi or touch the database.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
 from scoring.window import fit_window, sequence_limit
 from service.errors import InvalidRequest
-from service.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
-from service.recording import ALL, ScoredBatch
-from service.reward_figures import reward_figures
-from service.runs import RunSnapshot, is_scheduled
+from service.jobs.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
+from service.jobs.recording import ALL, ScoredBatch
+from service.jobs.reward_figures import reward_figures
 from service.schemas import BatchIn, BatchResult
 from service.settings import Settings
+from service.snapshot import RunSnapshot, is_scheduled
 from service.storage.matrices import MatrixRecord
 from service.storage.queries import Point
 

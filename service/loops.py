@@ -8,11 +8,13 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import random
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -27,15 +29,26 @@ def owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-# A failed round is retried after 0.5 s, then 1 s, then every 2 s: short enough to resume within
-# seconds of a database coming back, long enough not to hammer it (or the log) while it is down.
-FIRST_RETRY_SECONDS = 0.5
-MAX_RETRY_SECONDS = 2.0
+@dataclass(frozen=True)
+class Backoff:
+    """Seconds to wait after ``failures`` consecutive failures (1, 2, ...): doubling from ``first_seconds``
+    up to ``max_seconds``, then lengthened by up to ``jitter`` of itself at random, so that processes that
+    failed together (N workers losing one database) do not all retry at the same instant."""
+
+    first_seconds: float
+    max_seconds: float
+    jitter: float = 0.0
+
+    def delay(self, failures: int, uniform: Callable[[], float] = random.random) -> float:
+        """``uniform`` draws from [0, 1): a test passes its own to see both ends of the jitter."""
+        base = min(self.first_seconds * 2 ** (failures - 1), self.max_seconds)
+        return float(base * (1 + self.jitter * uniform()))
 
 
-def retry_delay(failures: int) -> float:
-    """Seconds to wait after ``failures`` consecutive failed rounds (1, 2, ...)."""
-    return float(min(FIRST_RETRY_SECONDS * 2 ** (failures - 1), MAX_RETRY_SECONDS))
+# A failed round is retried after 0.5 s, then 1 s, then every 2 s (each up to a quarter longer):
+# short enough to resume within seconds of a database coming back, long enough not to hammer it
+# (or the log) while it is down.
+ROUND_BACKOFF = Backoff(first_seconds=0.5, max_seconds=2.0, jitter=0.25)
 
 
 def worker_identity(data_dir: Path, configured: str) -> tuple[str, int | None]:
@@ -79,7 +92,7 @@ def lease_owner(name: str) -> str:
 def poll(work: Callable[[], bool], stop: threading.Event, idle_seconds: float, log: logging.Logger, what: str) -> None:
     """Calls ``work`` until ``stop`` is set, waiting ``idle_seconds`` whenever it found nothing to do.
 
-    A round that raises (a database outage, say) is retried after ``retry_delay``: the loop must
+    A round that raises (a database outage, say) is retried after ``ROUND_BACKOFF``: the loop must
     outlive the failure, since a later round may well succeed. An outage is logged in one line
     per round, anything else with its traceback.
     """
@@ -94,7 +107,7 @@ def poll(work: Callable[[], bool], stop: threading.Event, idle_seconds: float, l
                 log.exception("%s: a round failed", what)
             else:
                 log.warning("%s: database %s (failed round %d): %s", what, reason, failures, first_line(e))
-            stop.wait(retry_delay(failures))
+            stop.wait(ROUND_BACKOFF.delay(failures))
             continue
         if failures:
             log.info("%s: working again after %d failed rounds", what, failures)
@@ -104,7 +117,7 @@ def poll(work: Callable[[], bool], stop: threading.Event, idle_seconds: float, l
 
 
 def retry_through_outage(write: Callable[[], T], until: float, log: logging.Logger, what: str) -> T:
-    """``write()``, tried again after ``retry_delay`` while it fails with a database outage, until ``until``.
+    """``write()``, tried again after ``ROUND_BACKOFF`` while it fails with a database outage, until ``until``.
 
     ``until`` is a ``time.monotonic()`` instant (the end of a lease, say); past it the last error
     is raised. Any other error is raised at once.
@@ -116,10 +129,11 @@ def retry_through_outage(write: Callable[[], T], until: float, log: logging.Logg
         except Exception as e:
             failures += 1
             reason = outage(e)
-            if reason is None or time.monotonic() + retry_delay(failures) > until:
+            delay = ROUND_BACKOFF.delay(failures)
+            if reason is None or time.monotonic() + delay > until:
                 raise
             log.warning("%s: database %s (try %d): %s", what, reason, failures, first_line(e))
-            time.sleep(retry_delay(failures))
+            time.sleep(delay)
 
 
 def start_in_thread(loop: Callable[[threading.Event], None], name: str) -> tuple[threading.Thread, threading.Event]:

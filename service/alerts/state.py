@@ -1,8 +1,8 @@
 """Alert state in storage: re-evaluate a run's rules after a step, reconcile episodes, queue notifications.
 
-The rules themselves are pure (``service.alert_rules``); this module reads the series they need
+The rules themselves are pure (``service.alerts.rules``); this module reads the series they need
 (since the (run, sampler)'s checkpoint, or all of it), keeps the checkpoint and writes what
-changed, inside the caller's transaction; ``service.alert_delivery`` sends what it queued. Must
+changed, inside the caller's transaction; ``service.alerts.notifications`` sends what it queued. Must
 not import fastapi.
 """
 
@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
 
-from service.alert_delivery import notifications
-from service.alert_rules import RULES_VERSION, AlertSettings, Episode, Replay, Rewind, RuleName, needed_series
-from service.runs import RunSnapshot
+from service.alerts.notifications import notifications
+from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, needed_series
+from service.schemas import AlertSettings, RuleName
 from service.settings import Settings
+from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.tables import Alert, utcnow
 

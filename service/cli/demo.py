@@ -104,7 +104,7 @@ def run_demo(
     for step in range(1, steps + 1):
         payload = {
             "step": step,
-            "batch_id": f"{run}-{step}",
+            "idempotency_key": f"{run}-{step}",
             "trajectories": rollouts(step, steps, collapse_start, groups, per_group, seed),
         }
         status, accepted = call(f"{url}/v1/runs/{run}/batches", "POST", payload)

@@ -14,8 +14,8 @@ from datetime import datetime, timedelta
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from service.background import poll
-from service.storage import retention
+from service.loops import poll
+from service.storage import deletion
 from service.storage.tables import utcnow
 
 log = logging.getLogger("collapse_monitor.retention")
@@ -35,7 +35,7 @@ def purge_chunk(sessions: sessionmaker[Session], older_than_days: float, now: da
     """Purges up to ``CHUNK`` batches created more than ``older_than_days`` before ``now``, in one transaction."""
     before = (now or utcnow()) - timedelta(days=older_than_days)
     with sessions.begin() as session:
-        batches, matrices = retention.purge_payloads(session, before, CHUNK)
+        batches, matrices = deletion.purge_payloads(session, before, CHUNK)
     return Purged(batches, matrices, before)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from scoring import Scorer, load_scorer
 from scoring.scorer import ModelLoadError
 from service.errors import InvalidRequest
-from service.runs import checkpoint_at_load
+from service.jobs.checkpoints import checkpoint_at_load
 from service.settings import Settings
 
 Key = tuple[str, str | None]  # (scorer name, "kind:checkpoint folder" or None)

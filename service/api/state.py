@@ -15,13 +15,13 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.access import TokenCache
+from service.api.rate_limit import BodyBudget
 from service.metrics import ServiceMetrics
-from service.rate_limit import BodyBudget
-from service.readiness import DatabaseProbe
 from service.settings import Settings
+from service.storage.readiness import DatabaseProbe
 
 if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
-    from service.scorers import ScorerPool
+    from service.jobs.scorers import ScorerPool
 
 
 @dataclass

@@ -1,0 +1,147 @@
+"""What a batch may hold before it is queued: sizes, groups, scoring cost, token ids, queue depth."""
+
+from __future__ import annotations
+
+import math
+
+from sqlalchemy.orm import Session
+
+from service.errors import InvalidRequest, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
+from service.schemas import BatchIn, TurnWithEntropy
+from service.settings import Settings
+from service.snapshot import is_scheduled
+from service.storage import queries
+from service.storage.tables import Run, ScorerLimits
+
+
+def check_batch_limits(payload: BatchIn, settings: Settings) -> None:
+    """413 for batches over the configured sizes; every oversized field is named, none is truncated."""
+    check_size(len(payload.trajectories), settings.max_trajectories, "a batch", "trajectories", "trajectories")
+    for t, trajectory in enumerate(payload.trajectories):
+        check_size(len(trajectory.turns), settings.max_turns, "a trajectory", "turns", f"trajectories[{t}].turns", t)
+        for k, turn in enumerate(trajectory.turns):
+            where = f"trajectories[{t}].turns[{k}]"
+            for name in ("prompt", "response", "reasoning"):
+                text = getattr(turn, name)
+                if text is not None:
+                    check_size(len(text), settings.max_text_chars, name, "characters", f"{where}.{name}", t)
+            for name in ("prompt_token_ids", "reasoning_token_ids"):
+                ids = getattr(turn, name)
+                if ids is not None:
+                    check_size(len(ids), settings.max_token_ids, name, "token ids", f"{where}.{name}", t)
+
+
+def check_size(size: int, limit: int, what: str, unit: str, field: str, index: int | None = None) -> None:
+    if size > limit:
+        raise TooLarge(f"{what} may hold at most {limit} {unit}, got {size}", field=field, index=index)
+
+
+def check_groups(payload: BatchIn) -> None:
+    """400 when trajectories of one group start from different prompts: a group is one prompt's rollouts."""
+    first: dict[int, tuple[int, object]] = {}
+    for t, trajectory in enumerate(payload.trajectories):
+        turn = trajectory.turns[0]
+        prompt = turn.prompt if turn.prompt is not None else turn.prompt_token_ids
+        seen = first.setdefault(trajectory.group_id, (t, prompt))
+        if seen[1] != prompt:
+            raise InvalidRequest(
+                f"trajectories {seen[0]} and {t} share group_id {trajectory.group_id} but start from different "
+                "prompts; a group holds the rollouts of one prompt",
+                field=f"trajectories[{t}].turns[0].prompt",
+                index=t,
+            )
+
+
+def check_scoring_cost(payload: BatchIn, run: Run, settings: Settings) -> None:
+    """413 when scoring the batch would cost more than ``max_scoring_cost`` (see ``scoring_cost``)."""
+    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, settings.max_reasoning_tokens)
+    if cost > settings.max_scoring_cost:
+        raise TooLarge(
+            f"scoring this batch would cost about {cost} tokens (rows x columns x tokens per pair, summed over "
+            f"the run's samplers), more than max_scoring_cost={settings.max_scoring_cost}; send fewer or shorter "
+            "trajectories, or create the run with a smaller sampler.num_samples",
+            field="trajectories",
+        )
+
+
+def scoring_cost(
+    payload: BatchIn, samplers: list[str], num_samples: int | None, every: int, window: int | None = None
+) -> int:
+    """Tokens a naive scorer would run for this batch: per sampler, rows x columns x tokens of a pair.
+
+    An upper bound of the kernel's work (which shares prompts) that grows as its time does. Text is
+    counted at ``CHARS_PER_TOKEN`` characters a token, reasoning up to the ``window`` scored; 0 on
+    steps the schedule does not score.
+    """
+    if not is_scheduled(payload.step, every):
+        return 0
+    turns = [turn for trajectory in payload.trajectories for turn in trajectory.turns]
+    tokens_per_pair = sum(_tokens(turn, window) for turn in turns) / len(turns)
+    n_groups = len({trajectory.group_id for trajectory in payload.trajectories})
+    cost = 0.0
+    for sampler in samplers:
+        usable = len(payload.trajectories) if sampler == "first_turn" else len(turns)
+        rows = min(num_samples or usable, usable)
+        columns = min(rows, n_groups) if sampler == "first_turn" else rows
+        cost += rows * columns * tokens_per_pair
+    return math.ceil(cost)
+
+
+CHARS_PER_TOKEN = 3  # fewer than the ~4 of English BPE text, so that the estimate errs high
+
+
+def _tokens(turn: TurnWithEntropy, window: int | None) -> float:
+    prompt = (
+        len(turn.prompt_token_ids) if turn.prompt_token_ids is not None else len(turn.prompt or "") / CHARS_PER_TOKEN
+    )
+    if turn.reasoning_token_ids is not None:
+        reasoning = float(len(turn.reasoning_token_ids))
+    else:
+        reasoning = len(turn.response or turn.reasoning or "") / CHARS_PER_TOKEN
+    return prompt + (reasoning if window is None else min(reasoning, window))
+
+
+def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
+    """400 for token ids the run's scorer cannot score: outside its vocabulary (a pair past its context is
+    windowed by the worker, not refused).
+
+    Known once a worker has loaded the scorer (it records its limits); text is tokenized, and
+    checked, by the worker.
+    """
+    if limits is None:
+        return
+    for t, trajectory in enumerate(payload.trajectories):
+        for k, turn in enumerate(trajectory.turns):
+            where = f"trajectories[{t}].turns[{k}]"
+            for name in ("prompt_token_ids", "reasoning_token_ids"):
+                ids = getattr(turn, name)
+                if ids and max(ids) >= limits.vocab_size:
+                    raise InvalidRequest(
+                        f"token id {max(ids)} is outside the vocabulary of scorer {limits.name!r} "
+                        f"({limits.vocab_size} tokens)",
+                        field=f"{where}.{name}",
+                        index=t,
+                    )
+
+
+def check_queues(session: Session, run: Run, settings: Settings) -> None:
+    """429 when this run, or its token's runs, have too many batches waiting (they alone slow down); 503 when
+    everyone's queue is full."""
+    queued = queries.queue_depth(session, run.id)
+    if queued >= settings.max_queued_per_run:
+        raise RunQueueFull(
+            f"this run has {queued} batches waiting to be scored, its limit (max_queued_per_run); retry later",
+            retry_after=5,
+        )
+    if run.created_by_token is not None:
+        by_token = queries.token_queue_depth(session, run.created_by_token)
+        if by_token >= settings.max_queued_per_token:
+            raise TokenQueueFull(
+                f"the runs of the token that created this run have {by_token} batches waiting to be scored, its "
+                "share (max_queued_per_token); retry later",
+                retry_after=5,
+            )
+    if queries.queue_depth(session) >= settings.max_queue_depth:
+        raise Unavailable(
+            f"the scoring queue holds {settings.max_queue_depth} batches, its limit; retry later", retry_after=5
+        )

@@ -1,0 +1,1 @@
+"""Jobs: claim -> load -> score -> finish under the lease; interrupts, scorers, recording, the purger."""
