@@ -170,21 +170,12 @@ def token_logprobs(
         if check is not None:
             check()
         end = min(start + chunk_tokens, hidden.shape[0])
-        # Fused: log p(target) = logit - logsumexp, so the [chunk, V] log-softmax is never written;
-        # only the rows whose entropy is asked (the matched pairs) are normalised in full.
-        logits = _scaled_logits(head(hidden[start:end]), temperature)  # [chunk, V]
-        lse = torch.logsumexp(logits, dim=1)  # [chunk]
-        logp[start:end] = (logits.gather(1, targets[start:end, None]).squeeze(1) - lse).double()
+        lp = scaled_log_softmax(head(hidden[start:end]), temperature)  # [chunk, V]
+        logp[start:end] = lp.gather(1, targets[start:end, None]).squeeze(1).double()
         wanted = want_entropy[start:end].nonzero().squeeze(1)
         if wanted.numel():
-            entropy[start + wanted] = entropy_from_logprobs(logits[wanted] - lse[wanted, None]).double()
+            entropy[start + wanted] = entropy_from_logprobs(lp[wanted]).double()
     return logp, entropy
-
-
-def _scaled_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits / temperature in at least float32; divides in place, so only for a fresh head output."""
-    work = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return work if temperature == 1.0 else work.div_(temperature)
 
 
 class _Run:
