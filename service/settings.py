@@ -150,14 +150,15 @@ class Settings(BaseSettings):
         "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
         "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
     )
-    max_reasoning_tokens: int | None = Field(
+    max_reasoning_tokens: int = Field(
         DEFAULT_MAX_REASONING_TOKENS,
-        ge=2,
+        ge=0,
         description="Reasoning window: a longer reasoning is scored on its first this many tokens (its opening, "
         "written in answer to the prompt), and a prompt that still does not fit the scorer's context keeps its "
         "last tokens; what was cut is reported per sampler (truncated_reasoning_ratio). Cost grows with it "
-        "linearly (docs/scoring.md, Windows); null scores whole reasonings up to the scorer's context.",
+        "linearly (docs/scoring.md, Windows); 0 scores whole reasonings up to the scorer's context.",
     )
+
     max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")
     max_turns: int = Field(256, ge=1, description="Turns per trajectory.")
     max_text_chars: int = Field(400_000, ge=1, description="Characters per prompt or response text.")
@@ -268,6 +269,18 @@ class Settings(BaseSettings):
             if "*" in pattern[1:] or (pattern.startswith("*") and pattern != "*" and not pattern.startswith("*.")):
                 raise ValueError(f"a host pattern is a name, '*.example.com' or '*', got {pattern!r}")
         return [pattern.lower() for pattern in value]
+
+    @field_validator("max_reasoning_tokens")
+    @classmethod
+    def _a_window_scores_a_token(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError("a window of 1 token scores nothing: 0 (whole reasonings) or at least 2")
+        return value
+
+    @property
+    def reasoning_window(self) -> int | None:
+        """``max_reasoning_tokens`` as ``scoring.window`` takes it: None for whole reasonings."""
+        return self.max_reasoning_tokens or None
 
     @property
     def trusted_hosts(self) -> list[str]:

@@ -54,7 +54,7 @@ def check_groups(payload: BatchIn) -> None:
 
 def check_scoring_cost(payload: BatchIn, run: Run, settings: Settings) -> None:
     """413 when scoring the batch would cost more than ``max_scoring_cost`` (see ``scoring_cost``)."""
-    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, settings.max_reasoning_tokens)
+    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, settings.reasoning_window)
     if cost > settings.max_scoring_cost:
         raise TooLarge(
             f"scoring this batch would cost about {cost} tokens (rows x columns x tokens per pair, summed over "

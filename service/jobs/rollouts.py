@@ -71,7 +71,7 @@ def score_rollouts(
             scored.skip_sampler(sampler, "no turn carries reasoning to score")
             continue
         limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
-        batch, cut = fit_window(rows.batch, settings.max_reasoning_tokens, limit)
+        batch, cut = fit_window(rows.batch, settings.reasoning_window, limit)
         cross = score_batch(scorer, batch, config, check)
         scored.tokens += cross.tokens_processed
         labels = _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 def test_a_backlog_growing_faster_than_it_is_scored_is_reported_with_the_figures_to_change(database_url, client_for):
     # Whole 2,000-token reasonings: a step of 8 rows x 4 prompts takes the tiny scorer seconds, while
     # the posts below take milliseconds each.
-    client = client_for(database_url, max_reasoning_tokens=None)
+    client = client_for(database_url, max_reasoning_tokens=0)
     client.post("/v1/runs", json={"name": "fast-trainer", "sampler": {"samplers": ["first_turn"]}})
     first = client.post("/v1/runs/fast-trainer/batches", json=long_batch(2000, step=1)).json()
     assert first["warnings"] == []  # nothing is known of the pace yet

@@ -33,7 +33,7 @@ def test_reasoning_past_the_window_is_scored_on_its_opening_and_the_cut_is_store
 def test_a_pair_past_the_forward_budget_is_windowed_to_fit_instead_of_failing(database_url, client_for):
     # Before windowing: "row 0: its longest (prompt, reasoning) pair needs 339 tokens in one forward, more than
     # max_batch_tokens=256" and the batch failed.
-    client = client_for(database_url, max_reasoning_tokens=None, max_batch_tokens=256)
+    client = client_for(database_url, max_reasoning_tokens=0, max_batch_tokens=256)
     client.post("/v1/runs", json={"name": "budget", "sampler": {"samplers": ["first_turn"]}})
     accepted = client.post("/v1/runs/budget/batches", json=long_batch(reasoning_tokens=300, prompt_tokens=40))
     status = wait_for(client, accepted.json()["batch_id"])

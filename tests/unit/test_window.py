@@ -81,3 +81,15 @@ def test_prompts_that_differed_only_in_their_head_are_counted_as_merged():
 def test_windows_too_small_to_score_anything_are_refused(window, positions, message):
     with pytest.raises(ValueError, match=message):
         fit_window(long_batch(), max_reasoning_tokens=window, max_positions=positions)
+
+
+def test_the_services_window_is_512_by_default_0_for_whole_reasonings_and_never_1(monkeypatch):
+    from pydantic import ValidationError
+
+    from service.settings import Settings
+
+    assert Settings(_env_file=None).reasoning_window == 512
+    monkeypatch.setenv("COLLAPSE_MONITOR_MAX_REASONING_TOKENS", "0")
+    assert Settings(_env_file=None).reasoning_window is None
+    with pytest.raises(ValidationError, match="a window of 1 token scores nothing"):
+        Settings(_env_file=None, max_reasoning_tokens=1)
