@@ -81,6 +81,7 @@ def main() -> None:
                         "status": status["status"],
                         "seconds_to_done": round(time.monotonic() - start, 1),
                         "scoring_seconds": status.get("scoring_seconds"),
+                        "tokens_scored": status.get("tokens_scored"),
                         "error": status.get("error"),
                         "window": sampler.get("window"),
                         "mi_estimate": sampler.get("metrics", {}).get("mi_estimate"),
