@@ -520,16 +520,6 @@ class WindowResult(BaseModel):
     prompt_tokens_cut: int = Field(description="Prompt tokens cut from the head of the distinct prompts.")
     merged_columns: int = Field(description="Prompts that became identical to another once their head was cut.")
 
-    @classmethod
-    def of(cls, cut: WindowCut) -> WindowResult:
-        return cls(
-            max_reasoning_tokens=cut.max_reasoning_tokens,
-            truncated_reasoning_ratio=cut.truncated_reasoning_ratio,
-            reasoning_tokens_cut=cut.reasoning_tokens_cut,
-            prompt_tokens_cut=cut.prompt_tokens_cut,
-            merged_columns=cut.merged_columns,
-        )
-
 
 class SamplerResult(BaseModel):
     """What one sampler's cross-scoring of a batch says (``skipped_reason`` set when it scored nothing)."""
@@ -557,7 +547,7 @@ class SamplerResult(BaseModel):
         return cls(
             rows=rows,
             columns=columns,
-            window=None if cut is None else WindowResult.of(cut),
+            window=None if cut is None else WindowResult.model_validate(cut, from_attributes=True),
             metrics={**diagnostics.metrics, **entropy},
             intervals=dict(diagnostics.intervals),
             per_prompt=[PromptBreakdown.of(c) for c in diagnostics.columns],

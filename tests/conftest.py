@@ -12,6 +12,18 @@ from scoring import Scorer, ScoringBatch
 pytest_plugins = ["tests.fixtures"]
 
 VOCAB = 64
+# The tiny Llama-family layout (llama and qwen2 share it): 2 layers, hidden 32, grouped-query attention.
+LLAMA_LAYOUT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.3,
+    "attn_implementation": "sdpa",
+}
 
 
 def tiny_scorer(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> Scorer:
@@ -33,35 +45,12 @@ def tiny_scorer(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) 
             )
             model = GPT2LMHeadModel(config)
         elif family == "qwen2":  # Llama's layout plus q/k/v biases, drawn non-zero here
-            qwen2 = Qwen2Config(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=256,
-                initializer_range=0.3,
-                use_sliding_window=False,
-                attn_implementation="sdpa",
-            )
-            model = Qwen2ForCausalLM(qwen2)
+            model = Qwen2ForCausalLM(Qwen2Config(**LLAMA_LAYOUT, use_sliding_window=False))
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.3)
         else:
-            config = LlamaConfig(
-                vocab_size=VOCAB,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=256,
-                initializer_range=0.3,
-                attn_implementation="sdpa",
-            )
-            model = LlamaForCausalLM(config)
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA_LAYOUT))
     model.to(dtype).eval()
     return Scorer(name=f"tiny-{family}", model=model, tokenizer=None)
 
