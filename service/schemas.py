@@ -26,7 +26,7 @@ from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, pe
 from scoring.partition import Extraction
 from scoring.snr_filter import FilterConfig
 from scoring.window import WindowCut
-from service.storage.tables import iso_time
+from service.storage.times import iso_time
 
 # Rows into answers ------------------------------------------------------------------------------
 
