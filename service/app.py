@@ -11,7 +11,6 @@ import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -21,7 +20,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 
 from service.access import TokenCache
-from service.alerts.dispatcher import Dispatcher
 from service.api import alerts, batches, matrices, overview, pages, runs, system
 from service.api.middleware import (
     AnswerErrors,
@@ -37,9 +35,8 @@ from service.api.middleware import (
 from service.api.rate_limit import BodyBudget
 from service.api.state import AppState
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
-from service.jobs.retention import Purger
-from service.loops import start_in_thread
 from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
+from service.runtime import Background, Loop
 from service.settings import Settings
 from service.storage import queries
 from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
@@ -89,22 +86,11 @@ def create_app(settings: Settings) -> FastAPI:
         snapshot = SnapshotCache(lambda: read_snapshot(sessions), settings.metrics_cache_seconds)
         registry.register(DiagnosticsCollector(snapshot, settings.max_exported_series, snapshot_outage))
         app.state.monitor = state
-        threads = []
-        if settings.embedded_worker and not settings.scoring_paused:
-            threads.append(_start_embedded_worker(state))
-        http = httpx.Client()
-        threads.append(start_in_thread(Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts"))
-        if settings.payload_retention_days is not None:
-            purger = Purger(sessions, settings.payload_retention_days)
-            threads.append(start_in_thread(purger.run, "collapse-monitor-retention"))
+        worker = _embedded_worker(state) if settings.embedded_worker and not settings.scoring_paused else None
         try:
-            yield
+            with Background(sessions, settings, worker=worker, purge=True):
+                yield
         finally:
-            for _, stop in threads:
-                stop.set()
-            for thread, _ in threads:
-                thread.join(timeout=60)
-            http.close()
             engine.dispose()
 
     app = FastAPI(
@@ -146,7 +132,7 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading.Event]:
+def _embedded_worker(state: AppState) -> Loop:
     """Scores in this process; the default scorer starts loading at once (/readyz reports it)."""
     from service.jobs.scorers import ScorerPool
     from service.jobs.worker import Worker
@@ -163,7 +149,7 @@ def _start_embedded_worker(state: AppState) -> tuple[threading.Thread, threading
             state.scorer_ready.set()
 
     threading.Thread(target=preload, name="scorer-preload", daemon=True).start()
-    return start_in_thread(Worker(state.sessions, state.settings, pool).run, "collapse-monitor-worker")
+    return Worker(state.sessions, state.settings, pool).run
 
 
 async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:

@@ -5,13 +5,15 @@ Must not import fastapi: the CLI uses these models without a server.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from datetime import datetime
+from typing import Annotated, Any, Literal, TypeVar
 
 import numpy as np
 from pydantic import (
     AfterValidator,
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -24,6 +26,35 @@ from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, pe
 from scoring.partition import Extraction
 from scoring.snr_filter import FilterConfig
 from scoring.window import WindowCut
+from service.storage.times import iso_time
+
+# Rows into answers ------------------------------------------------------------------------------
+
+
+def _iso(value: object) -> object:
+    return iso_time(value) if isinstance(value, datetime) else value
+
+
+# A stored time as the answers show it (``iso_time``): ISO 8601 with its UTC offset; a string schema.
+IsoTime = Annotated[str, BeforeValidator(_iso)]
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+class _Row:
+    """A row's attributes with some replaced or added: what an answer shows that the row does not hold."""
+
+    def __init__(self, row: object, extra: dict[str, object]) -> None:
+        self._row, self._extra = row, extra
+
+    def __getattr__(self, name: str) -> object:
+        return self._extra[name] if name in self._extra else getattr(self._row, name)
+
+
+def from_row(model: type[Model], row: object, **extra: object) -> Model:
+    """``model`` validated from an ORM row's attributes in one call; ``extra`` names what the row lacks."""
+    return model.model_validate(_Row(row, extra) if extra else row, from_attributes=True)
+
 
 # Alert settings and names (the rules themselves: service.alerts.rules) ------------------------
 
@@ -614,15 +645,15 @@ class BatchStatus(BaseModel):
     status: BatchState
     error: str | None
     attempts: int
-    created_at: str | None
-    started_at: str | None
-    finished_at: str | None
+    created_at: IsoTime | None
+    started_at: IsoTime | None
+    finished_at: IsoTime | None
     scoring_seconds: float | None
     tokens_scored: int | None
     scorer: str | None
     checkpoint: str | None
     results: BatchResult | None
-    payload_purged_at: str | None = Field(
+    payload_purged_at: IsoTime | None = Field(
         None,
         description="When payload retention removed the batch's stored body and matrices (its results, points and "
         "alerts stay; a byte-identical replay is still recognised); null while they are kept.",
@@ -683,13 +714,13 @@ class DeliveryStatus(BaseModel):
         description="The last try's status and a short reason (at most 200 characters), with URLs and token-like "
         "strings cut out."
     )
-    delivered_at: str | None
+    delivered_at: IsoTime | None
 
 
 class AlertResponse(AlertDocument):
     id: int
-    created_at: str | None
-    updated_at: str | None
+    created_at: IsoTime | None
+    updated_at: IsoTime | None
     deliveries: list[DeliveryStatus]
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from scoring.partition import Extraction
-from service.schemas import AlertSettings
+from service.schemas import AlertSettings, from_row
 from service.storage.tables import Run
 
 
-@dataclass(frozen=True)
-class RunSnapshot:
+class RunSnapshot(BaseModel):
     """What scoring and the alert rules need to know about a run, detached from any session."""
+
+    model_config = ConfigDict(frozen=True, from_attributes=True)
 
     id: int
     name: str
@@ -29,20 +31,7 @@ class RunSnapshot:
 
     @classmethod
     def of(cls, run: Run) -> RunSnapshot:
-        return cls(
-            id=run.id,
-            name=run.name,
-            scorer=run.scorer,
-            scorer_mode=run.scorer_mode,
-            score_every=run.score_every,
-            samplers=tuple(run.samplers),
-            num_samples=run.num_samples,
-            seed=run.seed,
-            temperature=run.temperature,
-            filter=dict(run.filter),
-            alerts=AlertSettings.model_validate(run.alert_rules),
-            reasoning_extraction=cast(Extraction, run.reasoning_extraction),
-        )
+        return from_row(cls, run, alerts=run.alert_rules)
 
 
 def is_scheduled(step: int, every: int) -> bool:

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from service.schemas import AlertDocument, DeliveryStatus
+from service.schemas import AlertDocument, DeliveryStatus, from_row
 from service.settings import Settings
 from service.storage import queries
 from service.storage.tables import Alert, AlertDelivery, as_utc, iso_time, utcnow
@@ -28,22 +28,7 @@ ICONS = {"firing": ":rotating_light:", "resolved": ":white_check_mark:"}
 
 def alert_document(alert: Alert, run: str) -> AlertDocument:
     """An alert as receivers and the API see it."""
-    return AlertDocument(
-        rule=alert.rule,
-        severity=alert.severity,
-        run=run,
-        sampler=alert.sampler,
-        state=alert.state,
-        onset_step=alert.onset_step,
-        fired_step=alert.fired_step,
-        resolved_step=alert.resolved_step,
-        step=alert.last_step,
-        value=alert.value,
-        baseline=alert.baseline,
-        threshold=alert.threshold,
-        summary=alert.summary,
-        description=alert.description,
-    )
+    return from_row(AlertDocument, alert, run=run, step=alert.last_step)
 
 
 def notifications(alert: Alert, run: str, event: str, settings: Settings) -> list[AlertDelivery]:
@@ -78,15 +63,8 @@ def notifications(alert: Alert, run: str, event: str, settings: Settings) -> lis
 
 def delivery_status(delivery: AlertDelivery) -> DeliveryStatus:
     """A notification as reads show it: the receiver by kind and host, its error redacted."""
-    return DeliveryStatus(
-        receiver=delivery.receiver,
-        url=redacted_url(delivery.url),
-        event=delivery.event,
-        status=delivery.status,
-        attempts=delivery.attempts,
-        last_error=redacted_error(delivery.last_error, delivery.url) if delivery.last_error else None,
-        delivered_at=iso_time(delivery.delivered_at),
-    )
+    last_error = redacted_error(delivery.last_error, delivery.url) if delivery.last_error else None
+    return from_row(DeliveryStatus, delivery, url=redacted_url(delivery.url), last_error=last_error)
 
 
 def redacted_url(url: str) -> str:

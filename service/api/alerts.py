@@ -6,12 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from service.alerts.notifications import alert_document, delivery_status
+from service.alerts.notifications import delivery_status
 from service.api.deps import Caller, ReadsRun, State
 from service.ingest.runs import require_run
-from service.schemas import AlertResponse, AlertState, DeliveryStatus, RuleName
+from service.schemas import AlertResponse, AlertState, DeliveryStatus, RuleName, from_row
 from service.storage import queries
-from service.storage.tables import iso_time
 
 router = APIRouter(tags=["alerts"])
 StateFilter = Annotated[AlertState | None, Query(alias="state", description="Only this state.")]
@@ -35,13 +34,7 @@ def list_alerts(
         for d in queries.deliveries_of(session, [a.id for a, _ in rows]):
             deliveries.setdefault(d.alert_id, []).append(delivery_status(d))
         return [
-            AlertResponse(
-                **alert_document(alert, run_name).model_dump(),
-                id=alert.id,
-                created_at=iso_time(alert.created_at),
-                updated_at=iso_time(alert.updated_at),
-                deliveries=deliveries.get(alert.id, []),
-            )
+            from_row(AlertResponse, alert, run=run_name, step=alert.last_step, deliveries=deliveries.get(alert.id, []))
             for alert, run_name in rows
         ]
 

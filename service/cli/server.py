@@ -75,13 +75,10 @@ def run_worker(args: argparse.Namespace) -> Any:
     import signal
     import threading
 
-    import httpx
-
-    from service.alerts.dispatcher import Dispatcher
     from service.jobs.interrupts import leave_if_loading
     from service.jobs.scorers import ScorerPool
     from service.jobs.worker import Worker
-    from service.loops import start_in_thread
+    from service.runtime import Background
     from service.storage.database import make_engine, make_sessions, migrate
 
     settings = service_settings(args)
@@ -97,13 +94,9 @@ def run_worker(args: argparse.Namespace) -> Any:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     sessions = make_sessions(engine)
-    with httpx.Client() as http:
-        dispatcher, dispatcher_stop = start_in_thread(
-            Dispatcher(sessions, settings, http).run, "collapse-monitor-alerts"
-        )
+    # The worker scores in the foreground; payload retention is the server's (its purger), not this process's.
+    with Background(sessions, settings, worker=None, purge=False, join_seconds=30):
         Worker(sessions, settings, ScorerPool(settings)).run(stop)
-        dispatcher_stop.set()
-        dispatcher.join(timeout=30)
     engine.dispose()
     leave_if_loading()
     return None

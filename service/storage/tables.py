@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, ClassVar
 
 from sqlalchemy import (
@@ -20,22 +20,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def as_utc(moment: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; every stored time is UTC."""
-    if moment is None:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
-def iso_time(moment: datetime | None) -> str | None:
-    """A stored time as ISO 8601 / RFC 3339 with its UTC offset, as every answer shows times."""
-    value = as_utc(moment)
-    return value.isoformat() if value else None
+# The clock and the time format every answer uses live in times.py (torch- and SQLAlchemy-free, for schemas);
+# named here too, where the rows' callers have always imported them.
+from service.storage.times import as_utc as as_utc
+from service.storage.times import iso_time as iso_time
+from service.storage.times import utcnow as utcnow
 
 
 class Base(DeclarativeBase):

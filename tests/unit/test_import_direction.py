@@ -133,6 +133,7 @@ def test_no_module_of_scoring_or_service_imports_itself_back():
 LAYERS = (
     ("service.cli",),
     ("service.app",),
+    ("service.runtime",),
     ("service.api",),
     ("service.ingest",),
     ("service.jobs",),
