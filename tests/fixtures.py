@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +17,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
+from bench import serving
+from bench.serving import PG_ADMIN_URL
 from service.app import create_app
 from service.settings import Settings
 from service.storage.database import migrate
-
-PG_ADMIN_URL = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
 def _postgres_or_skip() -> None:
@@ -55,30 +54,14 @@ class _Templates:
     def postgres_template(self) -> str:
         if self.postgres is None:
             name = _create_postgres_database()
-            migrate(_postgres_url(name))  # disposes its engines: a template must have no open connection
+            migrate(serving.postgres_url(name))  # disposes its engines: a template must have no open connection
             self.postgres = name
         return self.postgres
 
 
-def _postgres_url(name: str) -> str:
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-
-
 def _create_postgres_database(template: str | None = None) -> str:
     _postgres_or_skip()
-    name = f"cm_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
-    admin.dispose()
-    return name
-
-
-def _drop_postgres_database(name: str) -> None:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    return serving.create_postgres_database("cm_test_", template)
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +69,7 @@ def _templates(tmp_path_factory) -> Iterator[_Templates]:
     templates = _Templates(tmp_path_factory.mktemp("templates"))
     yield templates
     if templates.postgres is not None:
-        _drop_postgres_database(templates.postgres)
+        serving.drop_postgres_database(templates.postgres)
 
 
 @pytest.fixture
@@ -94,9 +77,9 @@ def empty_postgres_url() -> Iterator[str]:
     """A fresh Postgres database with no schema, dropped after the test."""
     name = _create_postgres_database()
     try:
-        yield _postgres_url(name)
+        yield serving.postgres_url(name)
     finally:
-        _drop_postgres_database(name)
+        serving.drop_postgres_database(name)
 
 
 @pytest.fixture
@@ -104,9 +87,9 @@ def postgres_url(_templates) -> Iterator[str]:
     """A fresh Postgres database at the head revision (cloned from the session's migrated template)."""
     name = _create_postgres_database(template=_templates.postgres_template())
     try:
-        yield _postgres_url(name)
+        yield serving.postgres_url(name)
     finally:
-        _drop_postgres_database(name)
+        serving.drop_postgres_database(name)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

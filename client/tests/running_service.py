@@ -7,24 +7,13 @@ trainer. What arrived is read from the service's own SQLite database.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.serving import free_port, service_env, start_serve, wait_ready
 
 
 class RunningService:
@@ -33,16 +22,15 @@ class RunningService:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.database = folder / "monitor.db"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-        self.env.update(
+        self.env = service_env(
             {
-                "COLLAPSE_MONITOR_DATABASE_URL": f"sqlite:///{self.database}",
-                "COLLAPSE_MONITOR_DATA_DIR": str(folder / "data"),
-                "COLLAPSE_MONITOR_CACHE_DIR": str(folder / "cache"),
-                "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
-                "COLLAPSE_MONITOR_WORKER_POLL_SECONDS": "0.1",
-                **{f"COLLAPSE_MONITOR_{k.upper()}": v for k, v in settings.items()},
+                "database_url": f"sqlite:///{self.database}",
+                "data_dir": str(folder / "data"),
+                "cache_dir": str(folder / "cache"),
+                "default_scorer": "tiny-random",
+                "worker_poll_seconds": "0.1",
             }
+            | settings
         )
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -50,23 +38,11 @@ class RunningService:
     def start(self, timeout: float = 180.0) -> None:
         self.starts += 1
         with open(self.folder / f"serve-{self.starts}.log", "wb") as log:
-            self.process = subprocess.Popen(
-                [str(BIN / "collapse-monitor"), "serve", "--port", str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the service exited with {self.process.returncode}: {self.log()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the service at {self.url} was not ready after {timeout}s: {self.log()}")
+            _, self.process = start_serve(self.env, port=self.port, log=log)
+        try:
+            wait_ready(self.url, timeout, self.process)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {self.log()}") from None
 
     def kill(self) -> None:
         """SIGKILL: the service vanishes mid-whatever, as a crashed or preempted host does."""

@@ -7,8 +7,9 @@ import json
 import subprocess
 
 import pytest
+from bench.serving import BIN
 from rollouts import trajectories
-from running_service import BIN, RunningService
+from running_service import RunningService
 
 from collapse_monitor import Monitor, MonitorError
 from collapse_monitor.cli import main

@@ -10,8 +10,9 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, func, select
 
+from bench.serving import BIN, free_port, wait_until
 from service.storage.tables import Batch, MetricPoint
-from tests.e2e.conftest import BIN, free_port, need, service_env, start_service, wait_until
+from tests.e2e.conftest import need, service_env, start_service
 from tests.fixtures import trajectories
 
 pytestmark = pytest.mark.e2e

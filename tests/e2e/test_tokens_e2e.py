@@ -9,8 +9,9 @@ import subprocess
 import httpx
 import pytest
 
+from bench.serving import BIN, free_port, wait_until
 from service.cli.demo import run_demo
-from tests.e2e.conftest import BIN, free_port, need, service_env, start_service, wait_until
+from tests.e2e.conftest import need, service_env, start_service
 from tests.fixtures import dependence_matrix
 
 pytestmark = pytest.mark.e2e

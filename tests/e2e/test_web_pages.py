@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from bench.serving import BIN
 from tests.e2e.browser import Console, chromium_missing, launched, screenshots, wait_for_charts
-from tests.e2e.conftest import BIN, Processes, service_env, start_service
+from tests.e2e.conftest import Processes, service_env, start_service
 from tests.fixtures import dependence_matrix
 
 if TYPE_CHECKING:
