@@ -10,10 +10,9 @@ import json
 import signal
 import sqlite3
 import subprocess
-import time
 from pathlib import Path
 
-from bench.serving import free_port, service_env, start_serve, wait_ready
+from bench.serving import free_port, service_env, start_serve, wait_ready, wait_until
 
 
 class RunningService:
@@ -61,58 +60,43 @@ class RunningService:
     def log(self) -> str:
         return "".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.folder.glob("serve-*.log")))
 
+    def _rows(self, sql: str, run: str) -> list:
+        """The rows of ``sql`` (one ``?``: the run's name) on the service's database."""
+        with sqlite3.connect(self.database) as db:
+            return list(db.execute(sql, (run,)))
+
     def batches(self, run: str) -> list[tuple[int, str]]:
         """(step, client batch id) of every batch the run holds, in the order they were stored."""
-        with sqlite3.connect(self.database) as db:
-            return list(
-                db.execute(
-                    "SELECT b.step, b.client_batch_id FROM batches b JOIN runs r ON r.id = b.run_id "
-                    "WHERE r.name = ? ORDER BY b.rowid",
-                    (run,),
-                )
-            )
+        return self._rows(
+            "SELECT b.step, b.client_batch_id FROM batches b JOIN runs r ON r.id = b.run_id "
+            "WHERE r.name = ? ORDER BY b.rowid",
+            run,
+        )
 
     def payloads(self, run: str) -> list[dict]:
         """The request bodies of the run's batches as stored, in stored order."""
-        with sqlite3.connect(self.database) as db:
-            rows = db.execute(
-                "SELECT b.payload FROM batches b JOIN runs r ON r.id = b.run_id WHERE r.name = ? ORDER BY b.rowid",
-                (run,),
-            )
-            return [json.loads(payload) for (payload,) in rows]
+        sql = "SELECT b.payload FROM batches b JOIN runs r ON r.id = b.run_id WHERE r.name = ? ORDER BY b.rowid"
+        return [json.loads(payload) for (payload,) in self._rows(sql, run)]
 
     def wait_until_processed(self, run: str, n_batches: int, timeout: float = 120.0) -> None:
         """Waits until the worker has finished (done or failed) ``n_batches`` batches of ``run``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with sqlite3.connect(self.database) as db:
-                [(finished,)] = db.execute(
-                    "SELECT COUNT(*) FROM batches b JOIN runs r ON r.id = b.run_id "
-                    "WHERE r.name = ? AND b.status IN ('done', 'failed')",
-                    (run,),
-                )
-            if finished >= n_batches:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"{run}: fewer than {n_batches} batches processed after {timeout}s")
+        sql = (
+            "SELECT COUNT(*) FROM batches b JOIN runs r ON r.id = b.run_id "
+            "WHERE r.name = ? AND b.status IN ('done', 'failed')"
+        )
+        wait_until(lambda: self._rows(sql, run)[0][0] >= n_batches, timeout, f"{n_batches} batches of {run} processed")
 
     def checkpoint_of_batches(self, run: str) -> list[tuple[int, str | None]]:
         """(step, path of the checkpoint the batch will be scored with) in stored order."""
-        with sqlite3.connect(self.database) as db:
-            return list(
-                db.execute(
-                    "SELECT b.step, c.path FROM batches b JOIN runs r ON r.id = b.run_id "
-                    "LEFT JOIN checkpoints c ON c.id = b.checkpoint_id WHERE r.name = ? ORDER BY b.rowid",
-                    (run,),
-                )
-            )
+        return self._rows(
+            "SELECT b.step, c.path FROM batches b JOIN runs r ON r.id = b.run_id "
+            "LEFT JOIN checkpoints c ON c.id = b.checkpoint_id WHERE r.name = ? ORDER BY b.rowid",
+            run,
+        )
 
     def checkpoints(self, run: str) -> list[tuple[str, str, int | None]]:
-        with sqlite3.connect(self.database) as db:
-            return list(
-                db.execute(
-                    "SELECT c.path, c.kind, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id "
-                    "WHERE r.name = ? ORDER BY c.id",
-                    (run,),
-                )
-            )
+        return self._rows(
+            "SELECT c.path, c.kind, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+            "WHERE r.name = ? ORDER BY c.id",
+            run,
+        )
