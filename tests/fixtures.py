@@ -8,6 +8,7 @@ CI=true an unreachable Postgres fails the run instead of skipping it.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -221,4 +222,29 @@ def long_batch(reasoning_tokens: int, prompt_tokens: int = 20, step: int = 1) ->
             for g in range(4)
             for k in range(2)
         ],
+    }
+
+
+def model_figures(rng: random.Random, regime: int) -> dict[str, float]:
+    """One step's figures of a model sampler: regime 1 loses the input dependence, 2 the entropy; else healthy."""
+    low, flat = regime == 1, regime == 2
+    return {
+        "mi_estimate": (0.05 if low else 0.6) + rng.gauss(0, 0.05),
+        "mi_estimate_se": abs(rng.gauss(0.05, 0.02)),
+        "mi_estimate_ci_high": (0.1 if low else 0.7) + rng.gauss(0, 0.1),
+        "conditional_entropy_est": 2.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.2),
+        "token_entropy_mean": 1.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.1),
+        "retrieval_above_chance": (0.0 if low else 0.5) + rng.gauss(0, 0.05),
+        "mi_zscore_ema": (0.5 if low else 4.0) + rng.gauss(0, 0.3),
+    }
+
+
+def run_figures(rng: random.Random, regime: int) -> dict[str, float]:
+    """One step's run-wide figures (sampler ``all``): regime 3 flattens the rewards, 4 drops the reasoning."""
+    return {
+        "rollout/in_group_reward_std": 0.01 if regime == 3 else rng.uniform(0.3, 1.0),
+        "zero_variance_group_ratio": rng.choice([0.0, 0.2, 0.8] if regime == 3 else [0.0, 0.2]),
+        "rollout/filter_kept_ratio": rng.random(),
+        "valid_thinking_rate": 0.0 if regime == 4 else rng.choice([0.0, 0.5, 1.0]),
+        "truncated_think_ratio": rng.choice([0.0, 0.3]),
     }
