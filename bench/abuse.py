@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import threading
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from serving import BIN, Memory, database, served_process, service_env, token_ids_body
+from serving import Memory, database, issue_token, served_process, service_env, token_ids_body
 from sqlalchemy import create_engine, insert, select, update
 
 from service.storage.tables import Batch, LatestMetric, MetricPoint, Run
@@ -70,8 +69,7 @@ def server(worker: bool = False, admin_token: bool = False, **settings: str) -> 
             "WORKER_POLL_SECONDS": "0.05",
         } | settings
         if admin_token:
-            create = [str(BIN / "collapse-monitor"), "tokens", "create", "--scope", "admin"]
-            subprocess.run(create, env=service_env(env, **PYTHONPATH), capture_output=True, check=True)
+            issue_token(service_env(env, **PYTHONPATH), "--scope", "admin")
         with served_process(env, **PYTHONPATH) as (base, process):
             yield Server(base, Memory(process.pid), url)
 

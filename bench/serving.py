@@ -82,6 +82,14 @@ def start_serve(
     return f"http://127.0.0.1:{port}", process
 
 
+def issue_token(env: Mapping[str, str], *flags: str) -> str:
+    """Issues an API token with ``collapse-monitor tokens create *flags`` on ``env``'s database; the token."""
+    args = [str(BIN / "collapse-monitor"), "tokens", "create", *flags]
+    created = subprocess.run(args, env=dict(env), capture_output=True, text=True, timeout=120, check=True)
+    token: str = json.loads(created.stdout)["token"]
+    return token
+
+
 @contextmanager
 def served(settings: dict[str, str], ready_seconds: float = 180) -> Iterator[str]:
     """Runs ``collapse-monitor serve`` on a free loopback port and yields its base URL once ready.

@@ -82,3 +82,24 @@ def start_service(processes: Processes, env: dict[str, str], *flags: str) -> str
     base = f"http://127.0.0.1:{port}"
     serving.wait_ready(base, 120, process)
     return base
+
+
+def start_prometheus(processes: Processes, folder: Path, scrape_configs: str) -> str:
+    """Starts Prometheus (log: ``prometheus.log``) scraping every second; the URL of its query API.
+
+    ``scrape_configs``: the YAML under that key, its entries indented by two spaces.
+    """
+    prometheus = need("prometheus")
+    config = folder / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n" + scrape_configs)
+    port = free_port()
+    processes.start(
+        "prometheus",
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+    )
+    return f"http://127.0.0.1:{port}/api/v1/query"
