@@ -1,6 +1,6 @@
 """Valid but expensive requests against a real server: time and peak memory against request size (issue 17).
 
-    python bench/abuse.py [--vectors think_tags,matrix_rows,...] [--sizes small|full]
+    python bench/abuse.py [--vectors think_tags,matrix_rows,...] [--sizes small|full] [--pythonpath OLD]
 
 Each measurement starts a fresh ``collapse-monitor serve`` (tiny-random scorer, SQLite in a
 throwaway folder; the embedded worker only where the vector involves it), warms it up with a
@@ -13,8 +13,13 @@ Vectors: think_tags (a batch whose 4 responses repeat ``<think>``; the POST, the
 GET, and the embedded worker's turn at it), matrix_rows, filter_groups, methods (made-up HTTP
 methods, then the size of /metrics), series_read (GET /v1/runs/{run}/metrics of N points),
 metrics_scrape (N runs' latest values; the first scrape and the cached ones), alert_step (a
-matrix step after N stored steps: the first, which replays the history once, and the next ones)
-and large_body (a rollouts batch of N MB of text).
+matrix step after N stored steps: the first, which replays the history once, and the next ones),
+large_body (a rollouts batch of N MB of text), token_ids (one ~27 MB batch of token ids, scoring
+paused: the server's growth over the body, its answer and the longest concurrent ``GET /v1/runs``;
+then N such bodies at once, a 503 ``parsing_busy`` retried after ``Retry-After``) and
+anonymous_body (an N MB malformed body sent without a token to a server that has one: the answer
+and its time). ``--pythonpath`` runs the server from another checkout (``git archive <commit> |
+tar -x -C /tmp/old``) to compare in one session.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from serving import database, served_process
+from serving import Memory, database, issue_token, served_process, service_env, token_ids_body
 from sqlalchemy import create_engine, insert, select, update
 
 from service.storage.tables import Batch, LatestMetric, MetricPoint, Run
@@ -41,24 +46,19 @@ from service.storage.tables import Batch, LatestMetric, MetricPoint, Run
 JSON = {"content-type": "application/json"}
 
 
+PYTHONPATH: dict[str, str] = {}  # {"PYTHONPATH": OLD} under --pythonpath: the server runs from that checkout
+
+
 @dataclass
 class Server:
     base: str
-    pid: int
+    memory: Memory
     url: str  # its database
-
-    def rss_mb(self, field: str = "VmRSS") -> float:
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError(f"{field} missing from /proc/{self.pid}/status")
-
-    def reset_peak(self) -> None:
-        Path(f"/proc/{self.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
 @contextmanager
-def server(worker: bool = False, **settings: str) -> Iterator[Server]:
+def server(worker: bool = False, admin_token: bool = False, **settings: str) -> Iterator[Server]:
+    """A fresh server on a throwaway SQLite database; ``admin_token``: one issued first (anonymous requests refused)."""
     with tempfile.TemporaryDirectory() as folder, database("sqlite", folder) as url:
         env = {
             "DATABASE_URL": url,
@@ -68,21 +68,22 @@ def server(worker: bool = False, **settings: str) -> Iterator[Server]:
             "RATE_LIMIT_PER_SECOND": "0",  # measure the server's work, not the limiter
             "WORKER_POLL_SECONDS": "0.05",
         } | settings
-        with served_process(env) as (base, process):
-            yield Server(base, process.pid, url)
+        if admin_token:
+            issue_token(service_env(env, **PYTHONPATH), "--scope", "admin")
+        with served_process(env, **PYTHONPATH) as (base, process):
+            yield Server(base, Memory(process.pid), url)
 
 
 def measured(srv: Server, request: Callable[[], httpx.Response]) -> dict[str, float | int]:
     """One request's status, wall time and the server's peak RSS growth while it ran."""
-    srv.reset_peak()
-    before = srv.rss_mb()
+    before = srv.memory.reset()
     start = time.perf_counter()
     response = request()
     seconds = time.perf_counter() - start
     return {
         "status": response.status_code,
         "seconds": round(seconds, 3),
-        "rss_growth_mb": round(srv.rss_mb("VmHWM") - before, 1),
+        "rss_growth_mb": round((srv.memory.peak() - before) / 2**20, 1),
     }
 
 
@@ -278,6 +279,76 @@ def large_body(megabytes: int) -> dict:
         return measured(srv, post(srv, "/v1/runs/b/batches", body)) | {"bytes": len(body)}
 
 
+def token_ids(concurrent: int) -> dict:
+    """One ~27 MB token-id batch while another client polls ``GET /v1/runs``, then ``concurrent`` such at once."""
+    payloads = [token_ids_body(step, seed=step) for step in range(1, concurrent + 2)]
+    size = len(payloads[0])
+    with server(SCORING_PAUSED="true", MAX_SCORING_COST=str(10**12)) as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "r", "sampler": {"num_samples": 2}}).raise_for_status()
+        httpx.post(srv.base + "/v1/runs/r/batches", content=payloads[0][:2048], headers=JSON)  # lazy imports
+        waits: list[float] = []
+        done = threading.Event()
+
+        def poll_others() -> None:
+            with httpx.Client(base_url=srv.base, timeout=300) as other:
+                while not done.is_set():
+                    start = time.perf_counter()
+                    other.get("/v1/runs")
+                    waits.append(time.perf_counter() - start)
+                    time.sleep(0.02)
+
+        poller = threading.Thread(target=poll_others)
+        poller.start()
+        time.sleep(0.3)
+        one = measured(srv, post(srv, "/v1/runs/r/batches", payloads[0]))
+        done.set()
+        poller.join()
+
+        statuses: list[int] = []
+
+        def send(body: bytes) -> None:
+            """As a client does: a 503 ``parsing_busy`` (the others held the parse budget) is retried."""
+            while True:
+                sent = httpx.post(srv.base + "/v1/runs/r/batches", content=body, headers=JSON, timeout=300)
+                if sent.status_code != 503:
+                    statuses.append(sent.status_code)
+                    return
+                time.sleep(float(sent.headers.get("retry-after", "1")))
+
+        before = srv.memory.reset()
+        start = time.perf_counter()
+        senders = [threading.Thread(target=send, args=(body,)) for body in payloads[1:]]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
+        growth = srv.memory.peak() - before
+    return {
+        "body_mb": round(size / 1e6, 1),
+        "one_status": one["status"],
+        "one_seconds": one["seconds"],
+        "one_growth_over_body": round(one["rss_growth_mb"] * 2**20 / size, 2),
+        "concurrent_get_max_wait_seconds": round(max(waits), 2),
+        "concurrent_statuses": statuses,
+        "concurrent_seconds": round(time.perf_counter() - start, 2),
+        "concurrent_growth_mb": round(growth / 1e6),
+        "concurrent_growth_over_one_body": round(growth / size, 2),
+    }
+
+
+def anonymous_body(megabytes: int) -> dict:
+    """A malformed body (its error at its very end) without a token, to a server that has one."""
+    body = b'{"step": 1, "trajectories": [' + b"7," * (megabytes * 2**20 // 2)
+    with server(admin_token=True, SCORING_PAUSED="true") as srv, httpx.Client(base_url=srv.base, timeout=300) as http:
+        start = time.perf_counter()
+        answer = http.post("/v1/runs/r/batches", content=body, headers=JSON)
+        return {
+            "bytes": len(body),
+            "answer": f"{answer.status_code} {answer.json()['error']}",
+            "answer_seconds": round(time.perf_counter() - start, 2),
+        }
+
+
 VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
     # name: (unit, measure, sizes, small sizes, a size the service refuses)
     "think_tags": ("<think> per response", think_tags, [5000, 10_000, 20_000], [1000, 2000, 4000], None),
@@ -288,6 +359,8 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "metrics_scrape": ("runs of 20 series", metrics_scrape, [10, 100, 1000], [10, 30, 100], None),
     "alert_step": ("stored steps", alert_step, [100, 1000, 10_000], [100, 300, 1000], None),
     "large_body": ("MB of rollouts", large_body, [2, 4, 8], [1, 2, 4], None),
+    "token_ids": ("27 MB token-id batches at once", token_ids, [4], [2], None),
+    "anonymous_body": ("MB of malformed JSON", anonymous_body, [30], [8], None),
 }
 
 
@@ -313,7 +386,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vectors", default=",".join(VECTORS), help="comma-separated: " + ", ".join(VECTORS))
     parser.add_argument("--sizes", choices=["full", "small"], default="full", help="small: a quick smoke run")
+    parser.add_argument("--pythonpath", help="run the server from this checkout instead (PYTHONPATH)")
     args = parser.parse_args()
+    if args.pythonpath:
+        PYTHONPATH["PYTHONPATH"] = args.pythonpath
     for name in args.vectors.split(","):
         load = Path("/proc/loadavg").read_text().split()[:3]
         print(json.dumps(run_vector(name, args.sizes == "small") | {"load_average": " ".join(load)}), flush=True)

@@ -1,41 +1,32 @@
-"""The pieces every benchmark shares: a throwaway database, a ``collapse-monitor serve`` process, percentiles."""
+"""The one harness for real ``collapse-monitor serve`` processes, shared by bench/, tests/ and client/tests.
+
+A free loopback port, waiting until something holds (``/readyz`` above all), the service's
+environment, a throwaway database, the server's peak memory from /proc, percentiles. Benchmarks
+import it as ``serving`` (``python bench/x.py`` puts bench/ first on the path), the tests as
+``bench.serving``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 import httpx
 import numpy as np
 from sqlalchemy import create_engine, text
 
 BIN = Path(sys.executable).parent
-PG_ADMIN = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-
-
-@contextmanager
-def database(backend: str, folder: Path | str) -> Iterator[str]:
-    """The URL of an empty database: SQLite under ``folder``, or a Postgres database dropped afterwards."""
-    if backend == "sqlite":
-        yield f"sqlite:///{Path(folder) / 'bench.db'}"
-        return
-    name = f"cm_bench_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            connection.execute(text(f'CREATE DATABASE "{name}"'))
-        yield PG_ADMIN.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+PG_ADMIN_URL = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
 def free_port() -> int:
@@ -44,12 +35,66 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def wait_until(
+    check: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen[bytes] | None = None
+) -> None:
+    """Polls ``check`` every 0.1 s (an ``httpx.HTTPError`` counts as not yet) until it holds.
+
+    Raises ``AssertionError`` after ``timeout`` seconds, or as soon as ``process`` has exited.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"the process exited with {process.returncode} while waiting for {what}")
+        try:
+            if check():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_ready(base: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    """Waits until ``GET {base}/readyz`` answers 200 (the database reached, the migrations applied)."""
+    wait_until(lambda: httpx.get(f"{base}/readyz", timeout=2).status_code == 200, timeout, f"{base}/readyz", process)
+
+
+def service_env(settings: Mapping[str, str], **environ: str) -> dict[str, str]:
+    """This process's environment less its ``COLLAPSE_MONITOR_*`` variables, plus ``settings``.
+
+    ``settings`` are named without the prefix, in either case (``{"database_url": ...}``), so a
+    test or benchmark runs what it says whatever the caller's shell holds; ``environ`` are further
+    variables as named (``PYTHONPATH=...``).
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
+    env |= {f"COLLAPSE_MONITOR_{name.upper()}": value for name, value in settings.items()}
+    return env | environ
+
+
+def start_serve(
+    env: Mapping[str, str], *flags: str, port: int | None = None, log: IO[bytes] | int = subprocess.DEVNULL
+) -> tuple[str, subprocess.Popen[bytes]]:
+    """Starts ``collapse-monitor serve`` on ``port`` (default: a free one); its base URL and process, not yet ready."""
+    port = free_port() if port is None else port
+    args = [str(BIN / "collapse-monitor"), "serve", "--port", str(port), *flags]
+    process = subprocess.Popen(args, env=dict(env), stdout=log, stderr=subprocess.STDOUT)
+    return f"http://127.0.0.1:{port}", process
+
+
+def issue_token(env: Mapping[str, str], *flags: str) -> str:
+    """Issues an API token with ``collapse-monitor tokens create *flags`` on ``env``'s database; the token."""
+    args = [str(BIN / "collapse-monitor"), "tokens", "create", *flags]
+    created = subprocess.run(args, env=dict(env), capture_output=True, text=True, timeout=120, check=True)
+    token: str = json.loads(created.stdout)["token"]
+    return token
+
+
 @contextmanager
 def served(settings: dict[str, str], ready_seconds: float = 180) -> Iterator[str]:
     """Runs ``collapse-monitor serve`` on a free loopback port and yields its base URL once ready.
 
-    ``settings`` are ``COLLAPSE_MONITOR_*`` variables without the prefix (``{"DATABASE_URL": ...}``);
-    the caller's own ``COLLAPSE_MONITOR_*`` variables are dropped, so a benchmark measures what it says.
+    ``settings`` as ``service_env`` takes them (``{"DATABASE_URL": ...}``).
     """
     with served_process(settings, ready_seconds) as (base, _):
         yield base
@@ -57,36 +102,78 @@ def served(settings: dict[str, str], ready_seconds: float = 180) -> Iterator[str
 
 @contextmanager
 def served_process(
-    settings: dict[str, str], ready_seconds: float = 180
+    settings: dict[str, str], ready_seconds: float = 180, **environ: str
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``served``, also yielding the server's process (its pid, for /proc/<pid>/status)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-    env |= {f"COLLAPSE_MONITOR_{name}": value for name, value in settings.items()}
-    process = subprocess.Popen(
-        [str(BIN / "collapse-monitor"), "serve", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
+    """``served``, also yielding the server's process (its pid, for ``Memory``); ``environ`` as ``service_env``'s."""
+    base, process = start_serve(service_env(settings, **environ))
     try:
-        deadline = time.monotonic() + ready_seconds
-        while not _ready(base):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"collapse-monitor serve did not become ready (exit code {process.poll()})")
-            time.sleep(0.1)
+        wait_ready(base, ready_seconds, process)
         yield base, process
     finally:
         process.terminate()
         process.wait()
 
 
-def _ready(base: str) -> bool:
+def postgres_url(name: str) -> str:
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def create_postgres_database(prefix: str, template: str | None = None) -> str:
+    """Creates an empty Postgres database (or a copy of ``template``) named ``{prefix}<random>``; its name."""
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
-        return httpx.get(f"{base}/readyz").status_code == 200
-    except httpx.HTTPError:
-        return False
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
+    finally:
+        admin.dispose()
+    return name
+
+
+def drop_postgres_database(name: str) -> None:
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()
+
+
+@contextmanager
+def database(backend: str, folder: Path | str) -> Iterator[str]:
+    """The URL of an empty database: SQLite under ``folder``, or a Postgres database dropped afterwards."""
+    if backend == "sqlite":
+        yield f"sqlite:///{Path(folder) / 'bench.db'}"
+        return
+    name = create_postgres_database("cm_bench_")
+    try:
+        yield postgres_url(name)
+    finally:
+        drop_postgres_database(name)
+
+
+class Memory:
+    """A process's resident memory and its high-water mark since the last reset (Linux /proc), in bytes."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = Path(f"/proc/{pid}")
+
+    def _bytes(self, field: str) -> int:
+        for line in (self.proc / "status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"{field} missing from {self.proc}/status")
+
+    def rss(self) -> int:
+        return self._bytes("VmRSS")
+
+    def reset(self) -> int:
+        """Resets the high-water mark to the current RSS, and returns that."""
+        (self.proc / "clear_refs").write_text("5")
+        return self.rss()
+
+    def peak(self) -> int:
+        return self._bytes("VmHWM")
 
 
 def percentiles(seconds: Sequence[float], digits: int = 2) -> dict[str, float]:
@@ -97,3 +184,25 @@ def percentiles(seconds: Sequence[float], digits: int = 2) -> dict[str, float]:
         "p99_ms": round(float(np.percentile(ms, 99)), digits),
         "max_ms": round(float(ms.max()), digits),
     }
+
+
+def token_ids_body(step: int, seed: int) -> bytes:
+    """~27 MB of token ids: 64 one-turn trajectories of 8,192 prompt and 65,536 reasoning ids each.
+
+    The large body of ``bench/abuse.py --vectors token_ids`` and of tests/e2e/test_request_path_e2e.py.
+    """
+    rng = random.Random(seed)
+    trajectories = [
+        {
+            "group_id": g,
+            "reward": 1.0,
+            "turns": [
+                {
+                    "prompt_token_ids": [rng.randrange(50_000) for _ in range(8192)],
+                    "reasoning_token_ids": [rng.randrange(50_000) for _ in range(65_536)],
+                }
+            ],
+        }
+        for g in range(64)
+    ]
+    return json.dumps({"step": step, "trajectories": trajectories}, separators=(",", ":")).encode()

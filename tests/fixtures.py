@@ -8,9 +8,9 @@ CI=true an unreachable Postgres fails the run instead of skipping it.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 
+from bench import serving
+from bench.serving import PG_ADMIN_URL
 from service.app import create_app
 from service.settings import Settings
 from service.storage.database import migrate
-
-PG_ADMIN_URL = os.environ.get("COLLAPSE_MONITOR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 
 
 def _postgres_or_skip() -> None:
@@ -55,30 +55,14 @@ class _Templates:
     def postgres_template(self) -> str:
         if self.postgres is None:
             name = _create_postgres_database()
-            migrate(_postgres_url(name))  # disposes its engines: a template must have no open connection
+            migrate(serving.postgres_url(name))  # disposes its engines: a template must have no open connection
             self.postgres = name
         return self.postgres
 
 
-def _postgres_url(name: str) -> str:
-    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-
-
 def _create_postgres_database(template: str | None = None) -> str:
     _postgres_or_skip()
-    name = f"cm_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")))
-    admin.dispose()
-    return name
-
-
-def _drop_postgres_database(name: str) -> None:
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    return serving.create_postgres_database("cm_test_", template)
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +70,7 @@ def _templates(tmp_path_factory) -> Iterator[_Templates]:
     templates = _Templates(tmp_path_factory.mktemp("templates"))
     yield templates
     if templates.postgres is not None:
-        _drop_postgres_database(templates.postgres)
+        serving.drop_postgres_database(templates.postgres)
 
 
 @pytest.fixture
@@ -94,9 +78,9 @@ def empty_postgres_url() -> Iterator[str]:
     """A fresh Postgres database with no schema, dropped after the test."""
     name = _create_postgres_database()
     try:
-        yield _postgres_url(name)
+        yield serving.postgres_url(name)
     finally:
-        _drop_postgres_database(name)
+        serving.drop_postgres_database(name)
 
 
 @pytest.fixture
@@ -104,9 +88,9 @@ def postgres_url(_templates) -> Iterator[str]:
     """A fresh Postgres database at the head revision (cloned from the session's migrated template)."""
     name = _create_postgres_database(template=_templates.postgres_template())
     try:
-        yield _postgres_url(name)
+        yield serving.postgres_url(name)
     finally:
-        _drop_postgres_database(name)
+        serving.drop_postgres_database(name)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -238,4 +222,29 @@ def long_batch(reasoning_tokens: int, prompt_tokens: int = 20, step: int = 1) ->
             for g in range(4)
             for k in range(2)
         ],
+    }
+
+
+def model_figures(rng: random.Random, regime: int) -> dict[str, float]:
+    """One step's figures of a model sampler: regime 1 loses the input dependence, 2 the entropy; else healthy."""
+    low, flat = regime == 1, regime == 2
+    return {
+        "mi_estimate": (0.05 if low else 0.6) + rng.gauss(0, 0.05),
+        "mi_estimate_se": abs(rng.gauss(0.05, 0.02)),
+        "mi_estimate_ci_high": (0.1 if low else 0.7) + rng.gauss(0, 0.1),
+        "conditional_entropy_est": 2.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.2),
+        "token_entropy_mean": 1.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.1),
+        "retrieval_above_chance": (0.0 if low else 0.5) + rng.gauss(0, 0.05),
+        "mi_zscore_ema": (0.5 if low else 4.0) + rng.gauss(0, 0.3),
+    }
+
+
+def run_figures(rng: random.Random, regime: int) -> dict[str, float]:
+    """One step's run-wide figures (sampler ``all``): regime 3 flattens the rewards, 4 drops the reasoning."""
+    return {
+        "rollout/in_group_reward_std": 0.01 if regime == 3 else rng.uniform(0.3, 1.0),
+        "zero_variance_group_ratio": rng.choice([0.0, 0.2, 0.8] if regime == 3 else [0.0, 0.2]),
+        "rollout/filter_kept_ratio": rng.random(),
+        "valid_thinking_rate": 0.0 if regime == 4 else rng.choice([0.0, 0.5, 1.0]),
+        "truncated_think_ratio": rng.choice([0.0, 0.3]),
     }

@@ -7,24 +7,12 @@ trainer. What arrived is read from the service's own SQLite database.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import sqlite3
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from bench.serving import free_port, service_env, start_serve, wait_ready, wait_until
 
 
 class RunningService:
@@ -33,16 +21,15 @@ class RunningService:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.database = folder / "monitor.db"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-        self.env.update(
+        self.env = service_env(
             {
-                "COLLAPSE_MONITOR_DATABASE_URL": f"sqlite:///{self.database}",
-                "COLLAPSE_MONITOR_DATA_DIR": str(folder / "data"),
-                "COLLAPSE_MONITOR_CACHE_DIR": str(folder / "cache"),
-                "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
-                "COLLAPSE_MONITOR_WORKER_POLL_SECONDS": "0.1",
-                **{f"COLLAPSE_MONITOR_{k.upper()}": v for k, v in settings.items()},
+                "database_url": f"sqlite:///{self.database}",
+                "data_dir": str(folder / "data"),
+                "cache_dir": str(folder / "cache"),
+                "default_scorer": "tiny-random",
+                "worker_poll_seconds": "0.1",
             }
+            | settings
         )
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -50,23 +37,11 @@ class RunningService:
     def start(self, timeout: float = 180.0) -> None:
         self.starts += 1
         with open(self.folder / f"serve-{self.starts}.log", "wb") as log:
-            self.process = subprocess.Popen(
-                [str(BIN / "collapse-monitor"), "serve", "--port", str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"the service exited with {self.process.returncode}: {self.log()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the service at {self.url} was not ready after {timeout}s: {self.log()}")
+            _, self.process = start_serve(self.env, port=self.port, log=log)
+        try:
+            wait_ready(self.url, timeout, self.process)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {self.log()}") from None
 
     def kill(self) -> None:
         """SIGKILL: the service vanishes mid-whatever, as a crashed or preempted host does."""
@@ -85,58 +60,43 @@ class RunningService:
     def log(self) -> str:
         return "".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.folder.glob("serve-*.log")))
 
+    def _rows(self, sql: str, run: str) -> list:
+        """The rows of ``sql`` (one ``?``: the run's name) on the service's database."""
+        with sqlite3.connect(self.database) as db:
+            return list(db.execute(sql, (run,)))
+
     def batches(self, run: str) -> list[tuple[int, str]]:
         """(step, client batch id) of every batch the run holds, in the order they were stored."""
-        with sqlite3.connect(self.database) as db:
-            return list(
-                db.execute(
-                    "SELECT b.step, b.client_batch_id FROM batches b JOIN runs r ON r.id = b.run_id "
-                    "WHERE r.name = ? ORDER BY b.rowid",
-                    (run,),
-                )
-            )
+        return self._rows(
+            "SELECT b.step, b.client_batch_id FROM batches b JOIN runs r ON r.id = b.run_id "
+            "WHERE r.name = ? ORDER BY b.rowid",
+            run,
+        )
 
     def payloads(self, run: str) -> list[dict]:
         """The request bodies of the run's batches as stored, in stored order."""
-        with sqlite3.connect(self.database) as db:
-            rows = db.execute(
-                "SELECT b.payload FROM batches b JOIN runs r ON r.id = b.run_id WHERE r.name = ? ORDER BY b.rowid",
-                (run,),
-            )
-            return [json.loads(payload) for (payload,) in rows]
+        sql = "SELECT b.payload FROM batches b JOIN runs r ON r.id = b.run_id WHERE r.name = ? ORDER BY b.rowid"
+        return [json.loads(payload) for (payload,) in self._rows(sql, run)]
 
     def wait_until_processed(self, run: str, n_batches: int, timeout: float = 120.0) -> None:
         """Waits until the worker has finished (done or failed) ``n_batches`` batches of ``run``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with sqlite3.connect(self.database) as db:
-                [(finished,)] = db.execute(
-                    "SELECT COUNT(*) FROM batches b JOIN runs r ON r.id = b.run_id "
-                    "WHERE r.name = ? AND b.status IN ('done', 'failed')",
-                    (run,),
-                )
-            if finished >= n_batches:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"{run}: fewer than {n_batches} batches processed after {timeout}s")
+        sql = (
+            "SELECT COUNT(*) FROM batches b JOIN runs r ON r.id = b.run_id "
+            "WHERE r.name = ? AND b.status IN ('done', 'failed')"
+        )
+        wait_until(lambda: self._rows(sql, run)[0][0] >= n_batches, timeout, f"{n_batches} batches of {run} processed")
 
     def checkpoint_of_batches(self, run: str) -> list[tuple[int, str | None]]:
         """(step, path of the checkpoint the batch will be scored with) in stored order."""
-        with sqlite3.connect(self.database) as db:
-            return list(
-                db.execute(
-                    "SELECT b.step, c.path FROM batches b JOIN runs r ON r.id = b.run_id "
-                    "LEFT JOIN checkpoints c ON c.id = b.checkpoint_id WHERE r.name = ? ORDER BY b.rowid",
-                    (run,),
-                )
-            )
+        return self._rows(
+            "SELECT b.step, c.path FROM batches b JOIN runs r ON r.id = b.run_id "
+            "LEFT JOIN checkpoints c ON c.id = b.checkpoint_id WHERE r.name = ? ORDER BY b.rowid",
+            run,
+        )
 
     def checkpoints(self, run: str) -> list[tuple[str, str, int | None]]:
-        with sqlite3.connect(self.database) as db:
-            return list(
-                db.execute(
-                    "SELECT c.path, c.kind, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id "
-                    "WHERE r.name = ? ORDER BY c.id",
-                    (run,),
-                )
-            )
+        return self._rows(
+            "SELECT c.path, c.kind, c.step FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+            "WHERE r.name = ? ORDER BY c.id",
+            run,
+        )

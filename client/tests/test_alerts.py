@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+from bench.serving import free_port
 from rollouts import trajectories
-from running_service import free_port
 
 from collapse_monitor import AlertEvent, Monitor
 from collapse_monitor.alerts import AlertActions, Decision

@@ -8,8 +8,8 @@ import socket
 import threading
 
 import pytest
+from bench.serving import free_port
 from rollouts import trajectories
-from running_service import free_port
 
 from collapse_monitor import Monitor, MonitorError, TrajectoryError
 

@@ -4,11 +4,11 @@ refusals keep the batches spooled for a monitor with a valid token, reads use th
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
+from bench.serving import issue_token
 from rollouts import trajectories
-from running_service import BIN, RunningService
+from running_service import RunningService
 
 from collapse_monitor import Monitor, MonitorError
 from collapse_monitor.cli import main
@@ -19,17 +19,8 @@ def secured(tmp_path_factory):
     """A service with tokens, whose reads need one too; yields (service, {name: token})."""
     folder = tmp_path_factory.mktemp("secured")
     running = RunningService(folder, require_token_for_reads="true", token_cache_seconds="0")
-    issued = {}
-    for name, flags in (("team", ["--scope", "ingest", "--run-prefix", "team-"]), ("reader", ["--scope", "read"])):
-        created = subprocess.run(
-            [str(BIN / "collapse-monitor"), "tokens", "create", *flags, "--name", name],
-            env=running.env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        issued[name] = json.loads(created.stdout)["token"]
+    scopes = {"team": ["--scope", "ingest", "--run-prefix", "team-"], "reader": ["--scope", "read"]}
+    issued = {name: issue_token(running.env, *flags, "--name", name) for name, flags in scopes.items()}
     running.start()
     yield running, issued
     running.stop()

@@ -11,12 +11,18 @@ import math
 
 import datasets
 import pytest
-from tiny_trainer import FIRE_AT_ONCE, RecordingGRPOTrainer, paced, stop_async_loop, tiny_policy
-from trl import GRPOConfig, GRPOTrainer
+from tiny_trainer import (
+    FIRE_AT_ONCE,
+    NUM_GENERATIONS,
+    ROOMS,
+    RecordingGRPOTrainer,
+    grpo_config,
+    paced_trainer,
+    stop_async_loop,
+    tiny_policy,
+)
 
 from collapse_monitor import Monitor
-
-NUM_GENERATIONS = 4
 
 
 def length_reward(completions, completion_ids, **_kwargs):
@@ -45,30 +51,21 @@ def expected_reward(text: str, ids: list[int]) -> float | None:
 @pytest.mark.usefixtures("one_thread")
 def test_a_grpo_run_sends_each_step_with_its_prompts_rewards_groups_and_checkpoints(service, run_name, tmp_path):
     model, tokenizer = tiny_policy()
-    prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
     output_dir = service.folder / "checkpoints" / run_name
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=8,
-        num_generations=NUM_GENERATIONS,
+    args = grpo_config(
+        output_dir,
         max_completion_length=12,
         max_steps=3,
         learning_rate=1e-3,
-        logging_steps=1,
         save_strategy="steps",
         save_steps=2,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        seed=0,
         reward_weights=WEIGHTS,
-        dataloader_num_workers=0,
     )
     trainer = RecordingGRPOTrainer(
         model=model,
         reward_funcs=[length_reward, parity_reward],
         args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        train_dataset=datasets.Dataset.from_dict({"prompt": ROOMS}),
         processing_class=tokenizer,
     )
     # policy mode: the saved checkpoint is announced; no step is scheduled for scoring, so the
@@ -169,33 +166,10 @@ def test_an_alert_saves_a_checkpoint_when_pending_and_stops_training_within_one_
     until the service has scored the previous step and the watcher has looked twice since."""
     from collapse_monitor.integrations.trl import attach
 
-    model, tokenizer = tiny_policy()
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE, strict=True)
-    box: list = []
-
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=8,
-        max_steps=20,
-        logging_steps=1,
-        save_strategy="no",  # the only checkpoints are the ones the alert asks for
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[paced(monitor, box)],
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer,
-    )
-    box.append(trainer)
+    # save_strategy "no": the only checkpoints are the ones the alert asks for
+    args = grpo_config(tmp_path / "out", max_completion_length=8, max_steps=20, save_strategy="no")
+    trainer = paced_trainer(monitor, args, ROOMS)
     callback = attach(trainer, monitor, save_on=("pending",), stop_on=("firing",), alert_poll_seconds=0.1)
     with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
         trainer.train()

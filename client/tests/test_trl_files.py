@@ -14,22 +14,20 @@ import math
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import datasets
 import pytest
-from tiny_trainer import RecordingGRPOTrainer, tiny_policy
+from bench.serving import wait_until
+from tiny_trainer import NUM_GENERATIONS, RecordingGRPOTrainer, grpo_config, tiny_policy
 from transformers import TrainerCallback
-from trl import GRPOConfig
 
 from collapse_monitor.cli import main
 from collapse_monitor.conversations import render_plain
 from collapse_monitor.follow import default_state_path
 
 CLI = Path(sys.executable).parent / "collapse-monitor-client"
-NUM_GENERATIONS = 4
 WEIGHTS = [1.0, 0.5]
 
 
@@ -53,13 +51,6 @@ def expected_reward(text: str) -> float | None:
     return sum(parts) if parts else None
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 class AtStepEnd(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
     """Calls ``action`` at the end of optimizer step ``step`` (TRL has written the files of earlier steps)."""
 
@@ -74,23 +65,17 @@ class AtStepEnd(TrainerCallback):  # type: ignore[misc]  # transformers is untyp
 
 def grpo(output_dir: Path, prompts: list, callback: TrainerCallback, **config) -> RecordingGRPOTrainer:
     model, tokenizer = tiny_policy()
-    args = GRPOConfig(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=8,
-        num_generations=NUM_GENERATIONS,
-        max_completion_length=10,
-        max_steps=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        log_completions=True,
-        save_strategy="no",
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
-        seed=0,
-        reward_weights=WEIGHTS,
-        dataloader_num_workers=0,
-        **config,
+    args = grpo_config(
+        output_dir,
+        **{
+            "max_completion_length": 10,
+            "max_steps": 4,
+            "learning_rate": 1e-3,
+            "log_completions": True,
+            "save_strategy": "no",
+            "reward_weights": WEIGHTS,
+        }
+        | config,
     )
     return RecordingGRPOTrainer(
         model=model,
@@ -157,7 +142,7 @@ def test_follow_stores_every_step_of_a_conversational_run_started_before_it_and_
     first: list[int] = []
 
     def restart() -> None:  # files 1 and 2 are written; the follower goes down, the trainer goes on
-        wait_for(lambda: len(service.batches(run_name)) == 2, what="steps 1 and 2 stored")
+        wait_until(lambda: len(service.batches(run_name)) == 2, 60, "steps 1 and 2 stored")
         first.extend(follower.stop())
 
     prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
@@ -212,7 +197,7 @@ def test_follow_stores_each_generation_of_a_plain_text_run_once_also_when_files_
     first: list[int] = []
 
     def restart() -> None:
-        wait_for(lambda: state_path.exists() and len(json.loads(state_path.read_text())["files"]) == 2, what="2 files")
+        wait_until(lambda: state_path.exists() and len(json.loads(state_path.read_text())["files"]) == 2, 60, "2 files")
         first.extend(follower.stop())
 
     prompts = [f"You are in room {i}. Which door leads out?" for i in range(8)]

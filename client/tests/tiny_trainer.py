@@ -1,4 +1,5 @@
-"""What the TRL tests share: the tiny policy, a trainer that records what it generated, alert pacing.
+"""What the TRL tests share: the tiny policy, their GRPO settings, a trainer that records what it generated,
+alert pacing.
 
 The policy is the service's own tiny-random Llama (a config and a BPE tokenizer trained on the fly)
 with a chat template, so nothing is downloaded.
@@ -9,8 +10,10 @@ from __future__ import annotations
 import atexit
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from trl import GRPOTrainer
+import datasets
+from trl import GRPOConfig, GRPOTrainer
 
 from collapse_monitor import Monitor
 
@@ -22,6 +25,25 @@ CHAT_TEMPLATE = (
 # H(Z|X) may move almost anywhere. The rule and its state machine are the service's own, on the
 # figures it scored from the trainer's batches: pending at step 1, firing at step 2 (window 2).
 FIRE_AT_ONCE = {"threshold": 1e6, "baseline_steps": 1, "window": 2, "entropy_band": 0.99, "entropy_band_above": 100}
+NUM_GENERATIONS = 4
+ROOMS = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
+
+
+def grpo_config(output_dir: Path | str, **overrides) -> GRPOConfig:
+    """The TRL tests' GRPO settings: 8 rows a step in groups of ``NUM_GENERATIONS``, CPU, float32, seed 0,
+    every step logged, nothing reported; ``overrides`` (TRL's names) per test."""
+    settings = {
+        "output_dir": str(output_dir),
+        "per_device_train_batch_size": 8,
+        "num_generations": NUM_GENERATIONS,
+        "logging_steps": 1,
+        "report_to": "none",
+        "bf16": False,
+        "use_cpu": True,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+    }
+    return GRPOConfig(**(settings | overrides))
 
 
 def tiny_policy():
@@ -77,3 +99,18 @@ def paced(monitor: Monitor, trainer_box: list) -> Callable[..., list[float]]:
         return [float(len(c[0]["content"])) for c in completions]
 
     return reward
+
+
+def paced_trainer(monitor: Monitor, args: GRPOConfig, prompts: list) -> GRPOTrainer:
+    """A GRPOTrainer of the tiny policy whose one reward function is ``paced`` on ``monitor``."""
+    model, tokenizer = tiny_policy()
+    box: list = []
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[paced(monitor, box)],
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+    box.append(trainer)
+    return trainer

@@ -11,16 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
-import datasets
-from tiny_trainer import FIRE_AT_ONCE, paced, tiny_policy
-from trl import GRPOConfig, GRPOTrainer
+from tiny_trainer import FIRE_AT_ONCE, paced_trainer
+from trl import GRPOConfig
 
 from collapse_monitor import Monitor
 from collapse_monitor.integrations.trl import attach
 
 
 def main() -> None:
-    model, tokenizer = tiny_policy()
     # per process: 2 rows per micro-step, 2 micro-steps per generation -> 8 rows, 2 groups of 4, per step
     args = GRPOConfig(
         output_dir=os.environ["OUT"],
@@ -39,15 +37,7 @@ def main() -> None:
     monitor = Monitor(
         os.environ["URL"], os.environ["RUN"], spool_dir=os.path.join(os.environ["OUT"], "spool"), alerts=FIRE_AT_ONCE
     )
-    box: list = []
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[paced(monitor, box)],
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer,
-    )
-    box.append(trainer)
+    trainer = paced_trainer(monitor, args, prompts)
     attach(trainer, monitor, save_on=("pending",), stop_on=("firing",), alert_poll_seconds=0.1)
     trainer.train()
     monitor.close()

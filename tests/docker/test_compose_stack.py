@@ -18,8 +18,8 @@ import httpx
 import psycopg
 import pytest
 
+from bench.serving import free_port, wait_until
 from tests.docker.conftest import ROOT, Engine, Images
-from tests.e2e.conftest import free_port, wait_until
 from tests.fixtures import dependence_matrix, trajectories
 from tests.integration.test_dashboards import grafana_sql, of_type
 

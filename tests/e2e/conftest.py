@@ -5,35 +5,14 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+from bench import serving
+from bench.serving import BIN, free_port
 
 
 def need(binary: str) -> str:
@@ -82,23 +61,45 @@ def processes(tmp_path) -> Iterator[Processes]:
 
 
 def service_env(tmp_path: Path, database_url: str = "", **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLAPSE_MONITOR_")}
-    env.update(
-        {
-            "COLLAPSE_MONITOR_DATA_DIR": str(tmp_path / "data"),
-            "COLLAPSE_MONITOR_DATABASE_URL": database_url,
-            "COLLAPSE_MONITOR_DEFAULT_SCORER": "tiny-random",
-            "COLLAPSE_MONITOR_CACHE_DIR": str(tmp_path / "cache"),
-            "COLLAPSE_MONITOR_WORKER_POLL_SECONDS": "0.05",
-        }
-    )
-    env.update(extra)
-    return env
+    """The service's environment for a test: its folders under ``tmp_path``, the tiny-random scorer.
+
+    ``extra`` are further variables named in full (``COLLAPSE_MONITOR_LEASE_SECONDS="2"``).
+    """
+    settings = {
+        "DATA_DIR": str(tmp_path / "data"),
+        "DATABASE_URL": database_url,
+        "DEFAULT_SCORER": "tiny-random",
+        "CACHE_DIR": str(tmp_path / "cache"),
+        "WORKER_POLL_SECONDS": "0.05",
+    }
+    return serving.service_env(settings, **extra)
 
 
 def start_service(processes: Processes, env: dict[str, str], *flags: str) -> str:
+    """Starts ``collapse-monitor serve`` on a free port (log: ``serve.log``); its base URL once ready."""
     port = free_port()
-    processes.start("serve", [str(BIN / "collapse-monitor"), "serve", "--port", str(port), *flags], env)
+    process = processes.start("serve", [str(BIN / "collapse-monitor"), "serve", "--port", str(port), *flags], env)
     base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(f"{base}/readyz").status_code == 200, 120, f"the service at {base}")
+    serving.wait_ready(base, 120, process)
     return base
+
+
+def start_prometheus(processes: Processes, folder: Path, scrape_configs: str) -> str:
+    """Starts Prometheus (log: ``prometheus.log``) scraping every second; the URL of its query API.
+
+    ``scrape_configs``: the YAML under that key, its entries indented by two spaces.
+    """
+    prometheus = need("prometheus")
+    config = folder / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1s}\nscrape_configs:\n" + scrape_configs)
+    port = free_port()
+    processes.start(
+        "prometheus",
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={folder / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+    )
+    return f"http://127.0.0.1:{port}/api/v1/query"

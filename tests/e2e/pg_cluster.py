@@ -12,19 +12,14 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
 from types import TracebackType
 
+from bench.serving import free_port
+
 PG_BIN = Path(os.environ.get("COLLAPSE_MONITOR_PG_BIN", "/usr/lib/postgresql/15/bin"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ThrowawayPostgres:
@@ -33,7 +28,7 @@ class ThrowawayPostgres:
             raise FileNotFoundError(f"{PG_BIN / 'initdb'} is missing (set COLLAPSE_MONITOR_PG_BIN)")
         self.root = Path(tempfile.mkdtemp(prefix="cm-outage-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.frozen: list[int] = []
         self._as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
 

@@ -7,7 +7,8 @@ import json
 import httpx
 import pytest
 
-from tests.e2e.conftest import free_port, need, service_env, start_service, wait_until
+from bench.serving import free_port, wait_until
+from tests.e2e.conftest import need, service_env, start_service
 from tests.fixtures import dependence_matrix
 
 pytestmark = pytest.mark.e2e

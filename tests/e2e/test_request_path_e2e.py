@@ -4,17 +4,16 @@ parsed within a bounded memory (RSS read from /proc of the server process)."""
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import BIN, service_env, start_service
+from bench.serving import BIN, Memory, token_ids_body
+from tests.e2e.conftest import service_env, start_service
 
 pytestmark = pytest.mark.e2e
 JSON = {"content-type": "application/json"}
@@ -25,43 +24,6 @@ def rejections(base: str) -> dict[str, float]:
     text = httpx.get(f"{base}/metrics").text
     (family,) = [f for f in text_string_to_metric_families(text) if f.name == "collapse_monitor_rejections"]
     return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
-
-
-def token_ids_body(step: int, seed: int) -> bytes:
-    """~27 MB of token ids: 64 one-turn trajectories, 8,192 prompt and 65,536 reasoning ids each."""
-    rng = random.Random(seed)
-    trajectories = [
-        {
-            "group_id": g,
-            "reward": 1.0,
-            "turns": [
-                {
-                    "prompt_token_ids": [rng.randrange(50_000) for _ in range(8192)],
-                    "reasoning_token_ids": [rng.randrange(50_000) for _ in range(65_536)],
-                }
-            ],
-        }
-        for g in range(64)
-    ]
-    return json.dumps({"step": step, "trajectories": trajectories}, separators=(",", ":")).encode()
-
-
-class Memory:
-    """The server's resident memory: its high-water mark since the last reset (Linux /proc)."""
-
-    def __init__(self, pid: int) -> None:
-        self.proc = Path(f"/proc/{pid}")
-
-    def _kb(self, key: str) -> int:
-        line = next(line for line in (self.proc / "status").read_text().splitlines() if line.startswith(key))
-        return int(line.split()[1]) * 1024
-
-    def reset(self) -> int:
-        (self.proc / "clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-        return self._kb("VmRSS:")
-
-    def peak(self) -> int:
-        return self._kb("VmHWM:")
 
 
 def test_an_anonymous_30_mb_malformed_body_is_refused_before_it_is_parsed(tmp_path, processes):

@@ -9,8 +9,9 @@ import subprocess
 import httpx
 import pytest
 
+from bench.serving import BIN, free_port, issue_token, wait_until
 from service.cli.demo import run_demo
-from tests.e2e.conftest import BIN, free_port, need, service_env, start_service, wait_until
+from tests.e2e.conftest import need, service_env, start_prometheus, start_service
 from tests.fixtures import dependence_matrix
 
 pytestmark = pytest.mark.e2e
@@ -70,19 +71,11 @@ def test_serve_refuses_a_non_loopback_bind_without_tokens_unless_told_or_a_token
 
 
 def test_prometheus_scrapes_metrics_that_need_a_token_with_a_read_token_from_a_file(tmp_path, processes):
-    prometheus = need("prometheus")
+    need("prometheus")  # skipped (or failed under CI) before anything starts
     env = service_env(tmp_path, COLLAPSE_MONITOR_REQUIRE_TOKEN_FOR_METRICS="true")
-    tokens = {}
-    for scope in ("read", "ingest"):
-        created = subprocess.run(
-            [str(BIN / "collapse-monitor"), "tokens", "create", "--scope", scope, "--name", f"prometheus-{scope}"],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        tokens[scope] = json.loads(created.stdout)["token"]
+    tokens = {
+        scope: issue_token(env, "--scope", scope, "--name", f"prometheus-{scope}") for scope in ("read", "ingest")
+    }
     base = start_service(processes, env)
     ingest = {"Authorization": f"Bearer {tokens['ingest']}"}
     assert httpx.post(f"{base}/v1/runs", json={"name": "scraped"}, headers=ingest).status_code == 201
@@ -91,25 +84,13 @@ def test_prometheus_scrapes_metrics_that_need_a_token_with_a_read_token_from_a_f
     credentials = tmp_path / "collapse-monitor.token"
     credentials.write_text(tokens["read"] + "\n")
     target = base.removeprefix("http://")
-    config = tmp_path / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s}\n"
-        "scrape_configs:\n"
+    query = start_prometheus(
+        processes,
+        tmp_path,
         f"  - job_name: with-token\n    static_configs: [{{targets: ['{target}']}}]\n"
         f"    authorization: {{credentials_file: {credentials}}}\n"
-        f"  - job_name: without-token\n    static_configs: [{{targets: ['{target}']}}]\n"
+        f"  - job_name: without-token\n    static_configs: [{{targets: ['{target}']}}]\n",
     )
-    port = free_port()
-    processes.start(
-        "prometheus",
-        [
-            prometheus,
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-    )
-    query = f"http://127.0.0.1:{port}/api/v1/query"
     up: dict[str, float] = {}
 
     def scraped_both() -> bool:

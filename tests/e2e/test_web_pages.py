@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
+from bench.serving import issue_token
 from tests.e2e.browser import Console, chromium_missing, launched, screenshots, wait_for_charts
-from tests.e2e.conftest import BIN, Processes, service_env, start_service
+from tests.e2e.conftest import Processes, service_env, start_service
 from tests.fixtures import dependence_matrix
 
 if TYPE_CHECKING:
@@ -258,17 +257,7 @@ def test_screenshots_of_the_runs_page_and_a_collapsing_run(browser, server, tmp_
 
 def test_with_tokens_required_for_reads_the_page_asks_for_one_and_then_shows_the_data(browser, tmp_path):
     env = service_env(tmp_path, COLLAPSE_MONITOR_REQUIRE_TOKEN_FOR_READS="true")
-    issued = {}
-    for scope in ("read", "ingest"):
-        created = subprocess.run(
-            [str(BIN / "collapse-monitor"), "tokens", "create", "--scope", scope],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=True,
-        )
-        issued[scope] = json.loads(created.stdout)["token"]
+    issued = {scope: issue_token(env, "--scope", scope) for scope in ("read", "ingest")}
     processes = Processes(tmp_path)
     try:
         server = start_service(processes, env)

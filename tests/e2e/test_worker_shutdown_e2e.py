@@ -11,8 +11,9 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, func, select
 
+from bench.serving import BIN, wait_until
 from service.storage.tables import MetricPoint
-from tests.e2e.conftest import BIN, service_env, start_service, wait_until
+from tests.e2e.conftest import service_env, start_service
 from tests.e2e.test_service_e2e import heavy_batch
 
 pytestmark = pytest.mark.e2e

@@ -17,6 +17,7 @@ from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.queries import Point
 from service.storage.tables import Alert, AlertCheckpoint, AlertDelivery, Batch, MetricPoint, Run
+from tests.fixtures import model_figures, run_figures
 
 pytestmark = pytest.mark.integration
 
@@ -116,26 +117,10 @@ def _timeless(payload):
 
 def random_step(rng, regime):
     """One step's points: input dependence, entropy and rewards move between regimes; series go missing."""
-    low, flat, rewardless = regime == 1, regime == 2, regime == 3
-    values = {
-        "mi_estimate": (0.05 if low else 0.6) + rng.gauss(0, 0.05),
-        "mi_estimate_se": abs(rng.gauss(0.05, 0.02)),
-        "mi_estimate_ci_high": (0.1 if low else 0.7) + rng.gauss(0, 0.1),
-        "conditional_entropy_est": 2.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.2),
-        "token_entropy_mean": 1.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.1),
-        "retrieval_above_chance": (0.0 if low else 0.5) + rng.gauss(0, 0.05),
-        "mi_zscore_ema": (0.5 if low else 4.0) + rng.gauss(0, 0.3),
-    }
-    points = [Point(SAMPLER, n, v) for n, v in values.items() if rng.random() < 0.95]
+    points = [Point(SAMPLER, n, v) for n, v in model_figures(rng, regime).items() if rng.random() < 0.95]
     if rng.random() < 0.08:
         points = []  # the sampler scored nothing this step
-    figures = {
-        "rollout/in_group_reward_std": 0.01 if rewardless else rng.uniform(0.3, 1.0),
-        "zero_variance_group_ratio": rng.choice([0.0, 0.2, 0.8] if rewardless else [0.0, 0.2]),
-        "rollout/filter_kept_ratio": rng.random(),
-        "valid_thinking_rate": 0.0 if regime == 4 else rng.choice([0.5, 1.0]),
-        "truncated_think_ratio": rng.choice([0.0, 0.3]),
-    }
+    figures = run_figures(rng, regime)
     if rng.random() < 0.9:
         points += [Point(ALL, n, v) for n, v in figures.items() if rng.random() < 0.95]
     return points

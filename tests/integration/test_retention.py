@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import create_engine, func, select, update
 
+from bench.serving import wait_until
 from service.access import issue_token
 from service.storage.tables import (
     AccessState,
@@ -25,7 +26,6 @@ from service.storage.tables import (
     ScoreMatrix,
     utcnow,
 )
-from tests.e2e.conftest import wait_until
 from tests.fixtures import dependence_matrix, trajectories
 
 pytestmark = pytest.mark.integration

@@ -9,6 +9,7 @@ import pytest
 
 from service.alerts.rules import Episode, Replay, Rewind, evaluate
 from service.schemas import AlertSettings
+from tests.fixtures import model_figures, run_figures
 
 # These series are mi_zscore_ema's, written for the settings before the corpus calibration (issue 12).
 ZSCORE = AlertSettings(signal="mi_zscore_ema", drop_fraction=0.4, window=3, use_intervals=True)
@@ -194,26 +195,7 @@ def random_history(rng, n_steps, sampler):
     regime = 0
     for step in range(1, n_steps + 1):
         regime = rng.randrange(5) if rng.random() < 0.1 else regime
-        low, flat = regime == 1, regime == 2
-        values = (
-            {
-                "rollout/in_group_reward_std": 0.01 if regime == 3 else rng.uniform(0.3, 1),
-                "zero_variance_group_ratio": rng.choice([0.0, 0.2, 0.8] if regime == 3 else [0.0, 0.2]),
-                "rollout/filter_kept_ratio": rng.random(),
-                "valid_thinking_rate": 0.0 if regime == 4 else rng.choice([0.0, 0.5, 1.0]),
-                "truncated_think_ratio": rng.choice([0.0, 0.3]),
-            }
-            if sampler == "all"
-            else {
-                "mi_estimate": (0.05 if low else 0.6) + rng.gauss(0, 0.05),
-                "mi_estimate_se": abs(rng.gauss(0.05, 0.02)),
-                "mi_estimate_ci_high": (0.1 if low else 0.7) + rng.gauss(0, 0.1),
-                "conditional_entropy_est": 2.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.2),
-                "token_entropy_mean": 1.0 * (0.3 if flat else 1.0) + rng.gauss(0, 0.1),
-                "retrieval_above_chance": (0.0 if low else 0.5) + rng.gauss(0, 0.05),
-                "mi_zscore_ema": (0.5 if low else 4.0) + rng.gauss(0, 0.3),
-            }
-        )
+        values = run_figures(rng, regime) if sampler == "all" else model_figures(rng, regime)
         for name, value in values.items():
             if rng.random() < 0.93:
                 series.setdefault(name, []).append((step, value))

@@ -32,26 +32,29 @@ def naive(query, key, value, segments, scale):
     return torch.stack(outputs).transpose(1, 2)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
-def test_cascade_attention_equals_attention_over_the_concatenation(fused, heads, kv_heads):
-    gen = torch.Generator().manual_seed(0)
-    batch, q_len, dim = 3, 5, 8
+def random_attention(seed, batch, heads, kv_heads, q_len, dim, segments, dtype=torch.float64):
+    """Random query, key and value of a batch, and a random segment of each (length, rows) in ``segments``."""
+    gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+        return torch.randn(*shape, generator=gen, dtype=dtype)
 
     query, key, value = (
         rand(batch, heads, q_len, dim),
         rand(batch, kv_heads, q_len, dim),
         rand(batch, kv_heads, q_len, dim),
     )
-    segments = [
-        Segment(keys=[rand(kv_heads, 7, dim)], values=[rand(kv_heads, 7, dim)]),
-        Segment(keys=[rand(kv_heads, 4, dim)], values=[rand(kv_heads, 4, dim)], rows=torch.tensor([0, 2])),
-        Segment(keys=[rand(kv_heads, 9, dim)], values=[rand(kv_heads, 9, dim)], rows=torch.tensor([1])),
-        Segment(keys=[rand(kv_heads, 5, dim)], values=[rand(kv_heads, 5, dim)], rows=slice(1, 3)),  # a range
+    shared = [
+        Segment(keys=[rand(kv_heads, n, dim)], values=[rand(kv_heads, n, dim)], rows=rows) for n, rows in segments
     ]
+    return query, key, value, shared
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
+def test_cascade_attention_equals_attention_over_the_concatenation(fused, heads, kv_heads):
+    segments = [(7, None), (4, torch.tensor([0, 2])), (9, torch.tensor([1])), (5, slice(1, 3))]  # slice: a range
+    query, key, value, segments = random_attention(0, 3, heads, kv_heads, 5, 8, segments)
     got = cascade_attention(query, key, value, segments, layer=0, scaling=0.3, fused=fused)
     torch.testing.assert_close(got, naive(query, key, value, segments, 0.3), atol=1e-12, rtol=0)
 
@@ -65,24 +68,15 @@ def test_without_segments_it_is_plain_causal_attention():
 @pytest.mark.parametrize("block_size", [4, 16, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (6, 2)])
 def test_packed_flex_attention_equals_attention_over_the_concatenation(block_size, heads, kv_heads):
-    gen = torch.Generator().manual_seed(1)
-    batch, q_len, dim = 4, 5, 8
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-    query, key, value = (
-        rand(batch, heads, q_len, dim),
-        rand(batch, kv_heads, q_len, dim),
-        rand(batch, kv_heads, q_len, dim),
-    )
+    batch, q_len = 4, 5
     segments = [
-        Segment(keys=[rand(kv_heads, 7, dim)], values=[rand(kv_heads, 7, dim)]),
-        Segment(keys=[rand(kv_heads, 4, dim)], values=[rand(kv_heads, 4, dim)], rows=torch.tensor([0, 2])),
-        Segment(keys=[rand(kv_heads, 9, dim)], values=[rand(kv_heads, 9, dim)], rows=torch.tensor([1])),
-        Segment(keys=[rand(kv_heads, 3, dim)], values=[rand(kv_heads, 3, dim)], rows=torch.tensor([1, 3])),
-        Segment(keys=[rand(kv_heads, 6, dim)], values=[rand(kv_heads, 6, dim)], rows=slice(1, 3)),  # a range
+        (7, None),
+        (4, torch.tensor([0, 2])),
+        (9, torch.tensor([1])),
+        (3, torch.tensor([1, 3])),
+        (6, slice(1, 3)),  # a range
     ]
+    query, key, value, segments = random_attention(1, batch, heads, kv_heads, q_len, 8, segments)
     mask = block_mask(segments, batch, q_len, torch.device("cpu"), block_size)
     got = packed_attention(query, key, value, segments, layer=0, scaling=0.3, mask=mask)
     torch.testing.assert_close(got, naive(query, key, value, segments, 0.3), atol=1e-12, rtol=0)
@@ -129,22 +123,9 @@ def test_compiled_flex_attention_skips_blocks_by_the_block_indices_and_stays_exa
     """Eager FlexAttention reads only mask_mod; compiled, it visits only the listed blocks (as on CUDA)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    gen = torch.Generator().manual_seed(2)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen)
-
     batch, heads, kv_heads, q_len, dim = 4, 6, 2, 40, 16
-    query, key, value = (
-        rand(batch, heads, q_len, dim),
-        rand(batch, kv_heads, q_len, dim),
-        rand(batch, kv_heads, q_len, dim),
-    )
-    segments = [
-        Segment(keys=[rand(kv_heads, 70, dim)], values=[rand(kv_heads, 70, dim)]),
-        Segment(keys=[rand(kv_heads, 30, dim)], values=[rand(kv_heads, 30, dim)], rows=torch.tensor([0, 3])),
-        Segment(keys=[rand(kv_heads, 50, dim)], values=[rand(kv_heads, 50, dim)], rows=slice(1, 3)),
-    ]
+    segments = [(70, None), (30, torch.tensor([0, 3])), (50, slice(1, 3))]
+    query, key, value, segments = random_attention(2, batch, heads, kv_heads, q_len, dim, segments, torch.float32)
     mask = block_mask(segments, batch, q_len, torch.device("cpu"), 128)
     k = torch.cat([*(s.keys[0] for s in segments), key.transpose(0, 1).reshape(kv_heads, -1, dim)], 1)[None]
     v = torch.cat([*(s.values[0] for s in segments), value.transpose(0, 1).reshape(kv_heads, -1, dim)], 1)[None]
