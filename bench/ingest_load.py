@@ -204,21 +204,22 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30, help="length of each phase")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a phase may take")
     args = parser.parse_args()
+    # A fresh service per (backend, noise): the worker would still be working off the last noise's batches.
     for backend in args.backends.split(","):
-        with tempfile.TemporaryDirectory() as tmp, database(backend, tmp) as url:
-            settings = {
-                "DATABASE_URL": url,
-                "DATA_DIR": tmp,
-                "EMBEDDED_WORKER": "true",
-                "DEFAULT_SCORER": args.scorer,
-                "MAX_QUEUE_DEPTH": "1000000",
-                "MAX_QUEUED_PER_RUN": "1000000",
-                "RATE_LIMIT_PER_SECOND": "0",
-            }
-            with served(settings, ready_seconds=600) as base:
-                for kind in args.noise.split(","):
+        for kind in args.noise.split(","):
+            with tempfile.TemporaryDirectory() as tmp, database(backend, tmp) as url:
+                settings = {
+                    "DATABASE_URL": url,
+                    "DATA_DIR": tmp,
+                    "EMBEDDED_WORKER": "true",
+                    "DEFAULT_SCORER": args.scorer,
+                    "MAX_QUEUE_DEPTH": "1000000",
+                    "MAX_QUEUED_PER_RUN": "1000000",
+                    "RATE_LIMIT_PER_SECOND": "0",
+                }
+                with served(settings, ready_seconds=600) as base:
                     result = measure(base, kind, args.trainers, args.rate, args.seconds, args.timeout)
-                    print(json.dumps({"backend": backend, "scorer": args.scorer, **result}), flush=True)
+                print(json.dumps({"backend": backend, "scorer": args.scorer, **result}), flush=True)
 
 
 if __name__ == "__main__":
