@@ -94,7 +94,8 @@ def at_first_layer(worker: Worker, action: Callable[[], None]):
             action()
 
     scorer = worker.pool.get("tiny-random")
-    return scorer.model.base_model.layers[0].register_forward_pre_hook(hook).remove
+    # On a submodule: the kernel's own forward (scoring/forward.py) calls a layer's parts, not the layer.
+    return scorer.model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(hook).remove
 
 
 def test_a_claim_of_an_expired_lease_never_overwrites_the_slow_workers_done(queued):

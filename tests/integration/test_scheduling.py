@@ -224,7 +224,7 @@ def test_a_shutdown_abandons_the_batch_at_the_next_layer_and_puts_it_back_uncoun
 
     # The worker's pool loads the scorer the batch asks for; stop at its first attention layer.
     scorer = worker.pool.get("tiny-random")
-    hook = scorer.model.base_model.layers[0].register_forward_pre_hook(stop_when_scoring)
+    hook = scorer.model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(stop_when_scoring)
     try:
         assert worker.run_once() is True
     finally:
@@ -279,7 +279,7 @@ def test_a_database_error_never_fails_a_batch_the_next_round_puts_it_back_uncoun
             other.execute("BEGIN EXCLUSIVE")
 
     scorer = worker.pool.get("tiny-random")
-    hook = scorer.model.base_model.layers[0].register_forward_pre_hook(lock_the_database)
+    hook = scorer.model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(lock_the_database)
     try:
         with pytest.raises(OperationalError, match="database is locked"):
             worker.run_once()  # the results could not be written: not the batch's fault
