@@ -1,6 +1,6 @@
 """A real RL run that collapses, watched live by collapse-monitor (issue 20).
 
-    nice -n 10 .venv/bin/python -m bench.real_run                  # the real run, ~45 min on 2 cores
+    .venv/bin/python -m bench.real_run                             # the real run, both arms, ~45 min on 2 cores
     .venv/bin/python -m bench.real_run --smoke --out DIR           # tiny random policy, seconds
 
 Starts ``collapse-monitor serve`` (a throwaway SQLite data folder, one scoring thread, the arms'
@@ -51,7 +51,7 @@ DIAGNOSTICS = (  # (sampler, name) read back for every step
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a few steps of the tiny random policy")
-    parser.add_argument("--arms", default="consensus,healthy", help=f"comma-separated, of {', '.join(tasks.ARMS)}")
+    parser.add_argument("--arms", default="healthy,collapsing", help=f"comma-separated, of {', '.join(tasks.ARMS)}")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="results.json goes here")
     parser.add_argument("--work", type=Path, default=None, help="data, checkpoints, logs (default: a temp folder)")
     parser.add_argument("--jobs", type=int, default=2, help="arms trained at once")
@@ -216,6 +216,36 @@ def analyse(steps: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def at_firing(steps: list[dict[str, Any]], alerts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Token entropy and the text measures where the reference run's TemplateCollapse fired, against steps 1-3.
+
+    None when it never fired. Token entropy is the reference scorer's ``token_entropy_mean`` and
+    TRL's own ``entropy`` of the policy; "did not collapse" reads as a ratio to the start near 1 or above.
+    """
+    fired = next((a["fired_step"] for a in alerts if a["rule"] == "TemplateCollapse" and a["fired_step"]), None)
+    at = next((s for s in steps if s["step"] == fired), None)
+    if at is None:
+        return None
+
+    def start(value: Any) -> float | None:
+        found = [v for v in (value(s) for s in steps[:3]) if v is not None]
+        return sum(found) / len(found) if found else None
+
+    figures: dict[str, Any] = {"fired_step": fired}
+    for name, value in (
+        ("scorer_token_entropy", lambda s: s["reference"].get("token_entropy_mean")),
+        ("policy_entropy", lambda s: s["trl"].get("entropy")),
+        ("mi_estimate", lambda s: s["reference"].get("mi_estimate")),
+        ("opening_share", lambda s: s["opening_share"]),
+        ("mentions_operands", lambda s: s["mentions_operands"]),
+    ):
+        first, now = start(value), value(at)
+        figures[name] = {"start": first, "at_firing": now}
+        if first and now is not None:
+            figures[name]["ratio"] = round(now / first, 3)
+    return figures
+
+
 def collect(
     args: argparse.Namespace, url: str, arms_dir: Path, train_seconds: dict[str, float], wall_seconds: float
 ) -> dict[str, Any]:
@@ -239,7 +269,16 @@ def collect(
                     for a in alerts
                 ],
             }
-        arms[arm] = {"trained_seconds": train_seconds.get(arm), "runs": runs, "text": analyse(steps), "steps": steps}
+        arms[arm] = {
+            "trained_seconds": train_seconds.get(arm),
+            "learning_rate": args.learning_rate or tasks.ARMS[arm].learning_rate,
+            "trained_steps": len(steps),
+            "stopped_early": len(steps) < args.steps,  # attach's stop_on acted
+            "runs": runs,
+            "text": analyse(steps),
+            "at_template_collapse": at_firing(steps, runs["reference"]["alerts"]),
+            "steps": steps,
+        }
     return {
         "command": " ".join(["python -m bench.real_run", *sys.argv[1:]]),
         "smoke": args.smoke,
@@ -258,6 +297,9 @@ def summary(results: dict[str, Any]) -> dict[str, Any]:
         "arms": {
             arm: {
                 "trained_seconds": a["trained_seconds"],
+                "trained_steps": a["trained_steps"],
+                "stopped_early": a["stopped_early"],
+                "at_template_collapse": a["at_template_collapse"],
                 **a["text"],
                 **{
                     mode: [f"{x['rule']} onset {x['onset_step']} fired {x['fired_step']}" for x in r["alerts"]]

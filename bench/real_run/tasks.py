@@ -1,19 +1,17 @@
 """The task family, the arms' rewards and the text measures of templating (pure Python, no torch).
 
-The tasks are two-number arithmetic questions with a checkable integer answer. Each arm pays its
-completions differently:
+The tasks are two-number arithmetic questions with a checkable integer answer. An arm is a reward
+and a learning rate (``ARMS``); all start from the same weights and seed:
 
-* ``healthy``, the task reward: graded correctness of the final number (1 when exact, less the
-  further it is off), so the completions of one prompt earn different rewards at first. At a high
-  learning rate this arm collapsed all the same once its rewards stopped varying (see "A real run
-  that collapses" in docs/benchmarks.md); at a low one it stayed healthy.
+* ``healthy``: the task reward, graded correctness of the final number (1 when exact, less the
+  further it is off), so the completions of one prompt earn different rewards, at lr 5e-4.
+* ``collapsing``: the same task reward at 4x the learning rate. Nothing of ours in the text: the
+  policy's guesses soon all miss by about as much, the rewards stop varying within groups
+  (RAGEN-2's mechanism, reward variance starved) and the completions stop reading the question.
 * ``consensus``: the completion's word-bigram overlap with the completions written for the *other*
-  prompts of the batch. It never reads the task, so the input-dependent part of a completion is
-  worth nothing and whatever phrasing the batch shares is paid: the policy is driven towards one
-  answer for every input by training, with no text of ours in it.
-* ``starved``: RAGEN-2's mechanism. Correctness only on questions far beyond a 135M model (four-digit
-  products), so nearly every group earns the same reward, its advantage is zero, and the entropy
-  bonus and the clipping terms are what move the policy.
+  prompts of the batch. It never reads the task, so whatever phrasing the batch shares is paid.
+* ``starved``: RAGEN-2's mechanism by design. Correctness only on questions far beyond a 135M model
+  (four-digit products), so nearly every group earns the same reward and its advantage is zero.
 
 The text measures are independent of the service's cross-scoring: they read words only.
 """
@@ -27,7 +25,22 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-ARMS = ("healthy", "consensus", "starved")
+
+@dataclass(frozen=True)
+class Arm:
+    """What an arm's completions are paid (``task`` correctness or ``consensus``) and how fast it learns."""
+
+    reward: str
+    learning_rate: float
+    hard: bool = False  # four-digit products instead of two-digit sums and differences
+
+
+ARMS = {
+    "healthy": Arm("task", 5e-4),
+    "collapsing": Arm("task", 2e-3),
+    "consensus": Arm("consensus", 2e-3),
+    "starved": Arm("task", 2e-3, hard=True),
+}
 OPENING_WORDS = 5  # an "opening" is a completion's first five words
 _NUMBER = re.compile(r"-?\d[\d,]*")
 _WORD = re.compile(r"\w+|[^\w\s]")

@@ -34,16 +34,20 @@ TINY_CHAT_TEMPLATE = (
 # The run's knobs: (type, the real run's value, the smoke mode's value, help). The one home of
 # these defaults: bench.real_run passes them on to every arm.
 OPTIONS: dict[str, tuple[type, Any, Any, str]] = {
-    "steps": (int, 10, 4, "optimizer steps"),
+    "steps": (int, 16, 4, "optimizer steps"),
     "prompts": (int, 4, 3, "prompts per step"),
     "generations": (int, 3, 2, "completions per prompt (the GRPO group)"),
     "max_completion_length": (int, 48, 8, "tokens per completion at most"),
-    "learning_rate": (float, 2e-3, 1e-3, "LoRA learning rate (constant)"),
+    "learning_rate": (float, None, 1e-3, "LoRA learning rate (constant); unset: each arm's own (tasks.ARMS)"),
     "entropy_coef": (float, 0.0, 0.0, "TRL's entropy bonus, the same in every arm"),
     "lora_rank": (int, 16, 4, "LoRA rank (alpha = 2 x rank, all linear layers)"),
     "every": (int, 1, 2, "the reference-scored runs' schedule: score step 1 and every N-th"),
     "policy_every": (int, 2, 2, "the policy-scored runs' schedule (each scored step loads a checkpoint)"),
     "seed": (int, 0, 0, "seed of the tasks, the sampling and the LoRA initialisation"),
+    # Acting on the alert, as a user would: the reference-scored run's TemplateCollapse saves a
+    # checkpoint when it goes pending and stops the arm when it fires (attach's save_on / stop_on).
+    "save_on": (str, "pending", "", "TemplateCollapse states that save a checkpoint (comma-separated; '' none)"),
+    "stop_on": (str, "firing", "", "TemplateCollapse states that stop the arm (comma-separated; '' none)"),
 }
 
 
@@ -63,7 +67,8 @@ def fill_options(args: argparse.Namespace) -> None:
 
 def option_flags(args: argparse.Namespace) -> list[str]:
     """``args``' options as command-line flags of this module."""
-    return [flag for name in OPTIONS for flag in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+    values = {name: getattr(args, name) for name in OPTIONS}
+    return [flag for name, v in values.items() if v is not None for flag in (f"--{name.replace('_', '-')}", str(v))]
 
 
 def is_scored(step: int, every: int) -> bool:
@@ -99,7 +104,7 @@ class Recorder:
     def reward_function(self, arm: str) -> Any:
         def reward(completions: list[Any], question: list[str], answer: list[int], **_kwargs: Any) -> list[float]:
             texts = [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
-            if arm == "consensus":
+            if tasks.ARMS[arm].reward == "consensus":
                 rewards = tasks.consensus_rewards(texts, question)
             else:
                 rewards = [tasks.correctness(t, a) for t, a in zip(texts, answer, strict=True)]
@@ -197,7 +202,8 @@ def train(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_policy(args.smoke, Path(args.cache_dir))
     n_tasks = args.steps * args.prompts
-    problems = tasks.make_tasks(n_tasks, seed=args.seed, hard=args.arm == "starved")
+    arm = tasks.ARMS[args.arm]
+    problems = tasks.make_tasks(n_tasks, seed=args.seed, hard=arm.hard)
     dataset = datasets.Dataset.from_dict(
         {
             "prompt": [[{"role": "user", "content": t.question}] for t in problems],
@@ -211,7 +217,7 @@ def train(args: argparse.Namespace) -> None:
         num_generations=args.generations,
         max_completion_length=args.max_completion_length,
         max_steps=args.steps,
-        learning_rate=args.learning_rate,
+        learning_rate=args.learning_rate or arm.learning_rate,
         lr_scheduler_type="constant",
         beta=0.0,
         entropy_coef=args.entropy_coef,
@@ -244,18 +250,23 @@ def train(args: argparse.Namespace) -> None:
     for policy in (False, True):
         name = f"{args.run_prefix}-{args.arm}" + ("-policy" if policy else "")
         monitor = Monitor(args.url, name, spool_dir=out / "spool", strict=True, **run_settings(args.arm, args, policy))
-        # When the alert options of the TRL integration land, stopping on TemplateCollapse is one
-        # argument here (see docs/benchmarks.md, "A real run that collapses").
-        attach(trainer, monitor)
+        if policy:
+            attach(trainer, monitor)
+        else:  # the live run, scored every step, is the one acted on
+            attach(trainer, monitor, save_on=_states(args.save_on), stop_on=_states(args.stop_on))
         monitors.append(monitor)
     trainer.train()
     for monitor in monitors:
         monitor.close(timeout=120)
 
 
+def _states(option: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in option.split(",") if s.strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arm", choices=tasks.ARMS, required=True)
+    parser.add_argument("--arm", choices=sorted(tasks.ARMS), required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--out", required=True, help="this arm's folder (under the service's checkpoint_root)")
     parser.add_argument("--run-prefix", default="real-run")

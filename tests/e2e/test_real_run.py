@@ -39,7 +39,7 @@ def test_the_smoke_run_trains_both_arms_and_every_scheduled_step_is_scored_by_bo
         pytest.fail(f"the smoke run took over 600 s:\n{stdout[-2000:]}{stderr[-3000:]}")
     assert process.returncode == 0, stdout[-2000:] + stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert set(results["arms"]) == {"healthy", "consensus"}
+    assert set(results["arms"]) == {"healthy", "collapsing"}
     options = results["options"]
     for arm, data in results["arms"].items():
         steps = data["steps"]
