@@ -380,11 +380,21 @@ class _Template(_Rule):
                 else ""
             )
             change = f"{config.signal} {value:.4g} fell below {level:.4g} (baseline {signal_base:.4g}){bound}"
+            if value >= level:  # a firing alert's good step: say so, not "fell below"
+                change = f"{config.signal} {value:.4g} is back above {level:.4g} (baseline {signal_base:.4g})"
         summary = (
             f"{TEMPLATE} on run {self.run} ({self.sampler}) at step {span.last}: {change} over {span.n_rows} scored "
-            f"steps since step {span.onset}, while H(Z|X) {entropy:.4g} did not fall (baseline {entropy_base:.4g})"
+            f"steps since step {span.onset}{_recovering(span, self.config)}, while H(Z|X) {entropy:.4g} did not "
+            f"fall (baseline {entropy_base:.4g})"
         )
         return _Figures(value, signal_base, level, summary, TEMPLATE_ADVICE)
+
+
+def _recovering(span: _Span, config: AlertSettings) -> str:
+    """For a firing alert whose condition missed some steps: how many held, and what resolves it."""
+    if span.n_held == span.n_rows or span.resolved is not None:
+        return ""
+    return f" (held at {span.n_held} of them; resolves after {config.resolve_window} scored steps in a row without it)"
 
 
 def _lost_prompts(lost: Sequence[int] | None) -> str:
@@ -438,10 +448,11 @@ class _Entropy(_Rule):
     def figures(self, span: _Span, inputs: Inputs) -> _Figures:
         (value,) = inputs
         assert value is not None
+        change = "is back above" if value >= self._floor() else "fell below"
         summary = (
             f"{ENTROPY} on run {self.run} ({self.sampler}) at step {span.last}: {self.config.entropy_signal} "
-            f"{value:.4g} fell below {self.config.entropy_floor:.0%} of its baseline {self._base():.4g} (since step "
-            f"{span.onset})"
+            f"{value:.4g} {change} {self.config.entropy_floor:.0%} of its baseline {self._base():.4g} (since step "
+            f"{span.onset}{_recovering(span, self.config)})"
         )
         return _Figures(value, self._base(), self._floor(), summary, ENTROPY_ADVICE)
 

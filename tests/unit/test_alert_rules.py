@@ -46,6 +46,16 @@ def test_one_noisy_step_neither_fires_nor_resolves():
     assert (episode.fired_step, episode.resolved_step, episode.state) == (8, 12, "resolved")
 
 
+def test_a_firing_alert_on_a_good_step_says_the_signal_is_back_not_that_it_fell():
+    signal = [4.0] * 5 + [1.0, 1.0, 1.0, 4.0]  # fired at 8, step 9 above the level, not yet resolved
+    (episode,) = evaluate("r", "s", template_series(signal), ZSCORE)
+    assert (episode.state, episode.last_step) == ("firing", 9)
+    assert "mi_zscore_ema 4 is back above 2.4 (baseline 4) over 4 scored steps since step 6 (held at 3 of them;" in (
+        episode.summary
+    )
+    assert "fell below" not in episode.summary
+
+
 def test_a_condition_still_short_of_the_window_is_pending():
     (episode,) = evaluate("r", "s", template_series([4.0] * 5 + [1.0, 1.0]), ZSCORE)
     assert (episode.state, episode.onset_step, episode.fired_step) == ("pending", 6, None)
