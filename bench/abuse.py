@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from serving import Memory, database, issue_token, served_process, service_env, token_ids_body
+from serving import Memory, database, issue_token, post_at_once, served_process, service_env, token_ids_body
 from sqlalchemy import create_engine, insert, select, update
 
 from service.storage.tables import Batch, LatestMetric, MetricPoint, Run
@@ -301,24 +301,9 @@ def token_ids(concurrent: int) -> dict:
             time.sleep(0.3)
             one = measured(srv, post(srv, "/v1/runs/r/batches", payloads[0]))
 
-        statuses: list[int] = []
-
-        def send(body: bytes) -> None:
-            """As a client does: a 503 ``parsing_busy`` (the others held the parse budget) is retried."""
-            while True:
-                sent = httpx.post(srv.base + "/v1/runs/r/batches", content=body, headers=JSON, timeout=300)
-                if sent.status_code != 503:
-                    statuses.append(sent.status_code)
-                    return
-                time.sleep(float(sent.headers.get("retry-after", "1")))
-
         before = srv.memory.reset()
         start = time.perf_counter()
-        senders = [threading.Thread(target=send, args=(body,)) for body in payloads[1:]]
-        for sender in senders:
-            sender.start()
-        for sender in senders:
-            sender.join()
+        statuses = post_at_once(srv.base + "/v1/runs/r/batches", payloads[1:], timeout=300)
         growth = srv.memory.peak() - before
     return {
         "body_mb": round(size / 1e6, 1),
