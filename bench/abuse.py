@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from serving import Memory, database, issue_token, served_process, service_env, token_ids_body
+from serving import Memory, database, issue_token, post_at_once, served_process, service_env, token_ids_body
 from sqlalchemy import create_engine, insert, select, update
 
 from service.storage.tables import Batch, LatestMetric, MetricPoint, Run
@@ -99,34 +99,45 @@ def think_tags_batch(tags: int) -> bytes:
     return json.dumps({"step": 1, "trajectories": trajectories}).encode()
 
 
+@contextmanager
+def others_polling(srv: Server, timeout: float, pause: float = 0.0) -> Iterator[list[float]]:
+    """Another client polling ``GET /v1/runs`` meanwhile; yields the seconds each of its requests took
+    (complete once the block exits)."""
+    waits: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(base_url=srv.base, timeout=timeout) as other:
+            while not done.is_set():
+                start = time.perf_counter()
+                other.get("/v1/runs")
+                waits.append(time.perf_counter() - start)
+                time.sleep(pause)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        yield waits
+    finally:
+        done.set()
+        poller.join()
+
+
 def think_tags(tags: int) -> dict:
     body = think_tags_batch(tags)
     with server(worker=True) as srv:
         httpx.post(srv.base + "/v1/runs", json={"name": "warm"})
         httpx.post(srv.base + "/v1/runs/warm/batches", content=think_tags_batch(10), headers=JSON)
         httpx.post(srv.base + "/v1/runs", json={"name": "tags"})
-        waits: list[float] = []
-        done = threading.Event()
-
-        def poll_others() -> None:
-            with httpx.Client(base_url=srv.base, timeout=600) as other:
-                while not done.is_set():
-                    start = time.perf_counter()
-                    other.get("/v1/runs")
-                    waits.append(time.perf_counter() - start)
-
-        poller = threading.Thread(target=poll_others)
-        poller.start()
-        result = measured(srv, post(srv, "/v1/runs/tags/batches", body))
-        start, status = time.perf_counter(), {}
-        while time.perf_counter() - start < 600:  # the embedded worker's turn at it (it fails: past the context)
-            status = _batch_of(srv, "tags")
-            if status.get("status") in ("done", "failed"):
-                break
-            time.sleep(0.05)
-        worker_seconds = time.perf_counter() - start
-        done.set()
-        poller.join()
+        with others_polling(srv, timeout=600) as waits:
+            result = measured(srv, post(srv, "/v1/runs/tags/batches", body))
+            start, status = time.perf_counter(), {}
+            while time.perf_counter() - start < 600:  # the embedded worker's turn at it (it fails: past the context)
+                status = _batch_of(srv, "tags")
+                if status.get("status") in ("done", "failed"):
+                    break
+                time.sleep(0.05)
+            worker_seconds = time.perf_counter() - start
     return result | {
         "bytes": len(body),
         "longest_concurrent_get_seconds": round(max(waits), 3),
@@ -286,42 +297,13 @@ def token_ids(concurrent: int) -> dict:
     with server(SCORING_PAUSED="true", MAX_SCORING_COST=str(10**12)) as srv:
         httpx.post(srv.base + "/v1/runs", json={"name": "r", "sampler": {"num_samples": 2}}).raise_for_status()
         httpx.post(srv.base + "/v1/runs/r/batches", content=payloads[0][:2048], headers=JSON)  # lazy imports
-        waits: list[float] = []
-        done = threading.Event()
-
-        def poll_others() -> None:
-            with httpx.Client(base_url=srv.base, timeout=300) as other:
-                while not done.is_set():
-                    start = time.perf_counter()
-                    other.get("/v1/runs")
-                    waits.append(time.perf_counter() - start)
-                    time.sleep(0.02)
-
-        poller = threading.Thread(target=poll_others)
-        poller.start()
-        time.sleep(0.3)
-        one = measured(srv, post(srv, "/v1/runs/r/batches", payloads[0]))
-        done.set()
-        poller.join()
-
-        statuses: list[int] = []
-
-        def send(body: bytes) -> None:
-            """As a client does: a 503 ``parsing_busy`` (the others held the parse budget) is retried."""
-            while True:
-                sent = httpx.post(srv.base + "/v1/runs/r/batches", content=body, headers=JSON, timeout=300)
-                if sent.status_code != 503:
-                    statuses.append(sent.status_code)
-                    return
-                time.sleep(float(sent.headers.get("retry-after", "1")))
+        with others_polling(srv, timeout=300, pause=0.02) as waits:
+            time.sleep(0.3)
+            one = measured(srv, post(srv, "/v1/runs/r/batches", payloads[0]))
 
         before = srv.memory.reset()
         start = time.perf_counter()
-        senders = [threading.Thread(target=send, args=(body,)) for body in payloads[1:]]
-        for sender in senders:
-            sender.start()
-        for sender in senders:
-            sender.join()
+        statuses = post_at_once(srv.base + "/v1/runs/r/batches", payloads[1:], timeout=300)
         growth = srv.memory.peak() - before
     return {
         "body_mb": round(size / 1e6, 1),

@@ -14,6 +14,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -184,6 +185,30 @@ def percentiles(seconds: Sequence[float], digits: int = 2) -> dict[str, float]:
         "p99_ms": round(float(np.percentile(ms, 99)), digits),
         "max_ms": round(float(ms.max()), digits),
     }
+
+
+def post_at_once(url: str, bodies: Sequence[bytes], timeout: float) -> list[int]:
+    """Posts each of ``bodies`` (JSON) to ``url`` from a thread of its own, all at once; the statuses.
+
+    As a client does, a 503 ``parsing_busy`` (the others hold the parse budget past its wait) is
+    retried after its Retry-After; any other answer is the one counted.
+    """
+    statuses: list[int] = []
+
+    def send(body: bytes) -> None:
+        while True:
+            answer = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=timeout)
+            if answer.status_code != 503 or answer.json().get("error") != "parsing_busy":
+                statuses.append(answer.status_code)
+                return
+            time.sleep(float(answer.headers.get("retry-after", "1")))
+
+    senders = [threading.Thread(target=send, args=(body,)) for body in bodies]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join()
+    return statuses
 
 
 def token_ids_body(step: int, seed: int) -> bytes:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 
 @dataclass
@@ -42,6 +43,7 @@ class MonitorError(Exception):
     index: int | None = None
     status = 500
     code = "internal_error"
+    challenge: ClassVar[str | None] = None  # the WWW-Authenticate header's value (RFC 6750), if any
 
     def __str__(self) -> str:
         return self.detail
@@ -50,8 +52,13 @@ class MonitorError(Exception):
         return {"error": self.code, "detail": self.detail, "field": self.field, "index": self.index}
 
     def headers(self) -> dict[str, str] | None:
+        headers: dict[str, str] = {}
         retry_after = getattr(self, "retry_after", None)
-        return {"Retry-After": str(retry_after)} if retry_after is not None else None
+        if retry_after is not None:
+            headers["Retry-After"] = str(retry_after)
+        if self.challenge is not None:
+            headers["WWW-Authenticate"] = self.challenge
+        return headers or None
 
 
 class ClientError(MonitorError):
@@ -60,17 +67,13 @@ class ClientError(MonitorError):
 
 
 class InvalidRequest(ClientError):
-    status = 400
-    code = "invalid_request"
+    pass
 
 
 class Unauthorized(ClientError):
     status = 401
     code = "unauthorized"
     challenge = 'Bearer realm="collapse-monitor"'
-
-    def headers(self) -> dict[str, str] | None:
-        return {"WWW-Authenticate": self.challenge}
 
 
 class InvalidToken(Unauthorized):
@@ -86,16 +89,12 @@ class RevokedToken(Unauthorized):
 class Forbidden(ClientError):
     status = 403
     code = "insufficient_scope"
-
-    def headers(self) -> dict[str, str] | None:
-        return {"WWW-Authenticate": 'Bearer realm="collapse-monitor", error="insufficient_scope"'}
+    challenge: ClassVar[str | None] = 'Bearer realm="collapse-monitor", error="insufficient_scope"'
 
 
 class RunLimitReached(Forbidden):
     code = "run_limit"
-
-    def headers(self) -> dict[str, str] | None:
-        return None
+    challenge = None  # not a scope problem: another token's scope would not change the answer
 
 
 class UntrustedHost(InvalidRequest):
@@ -104,9 +103,7 @@ class UntrustedHost(InvalidRequest):
 
 class ForeignOrigin(Forbidden):
     code = "foreign_origin"
-
-    def headers(self) -> dict[str, str] | None:
-        return None
+    challenge = None  # refused for the page it came from, whatever token it carries
 
 
 class NotFound(ClientError):

@@ -13,10 +13,11 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, func, select, text
 
 from bench import serving
 from bench.serving import PG_ADMIN_URL
@@ -147,6 +148,16 @@ def client_for(settings_for):
     yield start
     for client in clients:
         client.__exit__(None, None, None)
+
+
+def row_count(url: str, table: Any) -> int:
+    """Rows of ``table`` (a table class) in the database at ``url``, read over a connection of its own."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as connection:
+            return int(connection.execute(select(func.count()).select_from(table)).scalar_one())
+    finally:
+        engine.dispose()
 
 
 def wait_for(client: TestClient, batch_id: str, timeout: float = 60.0) -> dict:

@@ -225,7 +225,6 @@ class _Rule:
         return resolved, dropped
 
     def episode(self, span: _Span, inputs: Inputs) -> Episode:
-        at = self.figures(span, inputs)
         return Episode(
             rule=self.name,
             sampler=self.sampler,
@@ -234,11 +233,7 @@ class _Rule:
             fired_step=span.fired,
             resolved_step=span.resolved,
             last_step=span.last,
-            value=at.value,
-            baseline=at.baseline,
-            threshold=at.threshold,
-            summary=at.summary,
-            description=at.description,
+            **asdict(self.figures(span, inputs)),  # an episode's last fields are its figures, named alike
         )
 
     def open_episode(self) -> Episode | None:

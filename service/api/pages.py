@@ -1,7 +1,9 @@
 """The web pages: the runs list, one run, the compare view and the API's (/docs), plus their static files.
 
-The pages are static HTML and JavaScript over the JSON API (no server-side rendering, no build
-step); every number they show comes from ``/v1``. They carry the user's bearer token, if given,
+The pages are static HTML and JavaScript over the JSON API (no build step); every number they
+show comes from ``/v1``. Each page's file holds only its own body: ``page.html`` (the document
+shell) and ``frame.html`` (the header and the token dialog) are filled in here, not copied into
+each page. They carry the user's bearer token, if given,
 so they follow the API's access rules. The chart library and Swagger UI are vendored
 (``service/web/vendor``): nothing comes from a CDN, and the Content-Security-Policy
 (``service.api.middleware``) allows no other source. ``/static`` serves the pages' scripts and
@@ -11,10 +13,11 @@ styles only, never the package's other files.
 from __future__ import annotations
 
 from pathlib import Path
+from string import Template
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import HTMLResponse
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.staticfiles import StaticFiles
@@ -61,22 +64,56 @@ def static_files() -> StaticFiles:
     return _PageAssets(directory=WEB)
 
 
+NAV = (("/", "Runs"), ("/compare", "Compare runs"), ("/docs", "API"))
+APP_ASSETS = ("style.css", "api.js", "ui.js")
+CHART_ASSETS = ("vendor/uplot/uPlot.min.css", "vendor/uplot/uPlot.iife.min.js", *APP_ASSETS, "charts.js")
+
+
+def _fill(template: str, **slots: str) -> str:
+    return Template((WEB / template).read_text()).substitute(slots)
+
+
+def _page(title: str, body: str, assets: tuple[str, ...]) -> HTMLResponse:
+    """``body`` in the document shell, loading ``assets`` (from /static; stylesheets before scripts)."""
+    tags = [f'  <link rel="stylesheet" href="/static/{path}">' for path in assets if path.endswith(".css")]
+    tags += [f'  <script src="/static/{path}" defer></script>' for path in assets if path.endswith(".js")]
+    return HTMLResponse(_fill("page.html", title=title, assets="\n".join(tags), body=body), headers=NO_CACHE)
+
+
+def _app_page(title: str, name: str, current: str, assets: tuple[str, ...], *, is_live: bool = True) -> HTMLResponse:
+    """The page ``name``.html inside the header (``current`` marked in the nav) and the token dialog.
+
+    ``is_live``: the page polls and shows its last update in the header.
+    """
+    nav = "".join(
+        f'<a href="{href}"'
+        + (' id="compare-link"' if href == "/compare" else "")
+        + (' aria-current="page"' if href == current else "")
+        + f">{text}</a>"
+        for href, text in NAV
+    )
+    live = '<span id="live" class="live">loading…</span>' if is_live else '<span class="live"></span>'
+    main = (WEB / f"{name}.html").read_text().rstrip("\n")
+    return _page(title, _fill("frame.html", nav=nav, live=live, main=main).rstrip("\n"), assets)
+
+
 @router.get("/")
-def runs_page() -> FileResponse:
-    return FileResponse(WEB / "runs.html", headers=NO_CACHE)
+def runs_page() -> HTMLResponse:
+    return _app_page("Runs", "runs", "/", (*APP_ASSETS, "runs.js"))
 
 
 @router.get("/runs/{run}")
-def run_page(run: str) -> FileResponse:  # noqa: ARG001 - the page reads the run name from its own URL
-    return FileResponse(WEB / "run.html", headers=NO_CACHE)
+def run_page(run: str) -> HTMLResponse:  # noqa: ARG001 - the page reads the run name from its own URL
+    return _app_page("Run", "run", "", (*CHART_ASSETS, "run.js"))
 
 
 @router.get("/compare")
-def compare_page() -> FileResponse:
-    return FileResponse(WEB / "compare.html", headers=NO_CACHE)
+def compare_page() -> HTMLResponse:
+    return _app_page("Compare", "compare", "/compare", (*CHART_ASSETS, "compare.js"), is_live=False)
 
 
 @router.get("/docs")
-def api_page() -> FileResponse:
+def api_page() -> HTMLResponse:
     """Swagger UI over /openapi.json, from the vendored copy (FastAPI's own loads it from a CDN)."""
-    return FileResponse(WEB / "docs.html", headers=NO_CACHE)
+    assets = ("vendor/swagger-ui/swagger-ui.css", "vendor/swagger-ui/swagger-ui-bundle.js", "docs.js")
+    return _page("API", (WEB / "docs.html").read_text().rstrip("\n"), assets)

@@ -296,33 +296,20 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
             Batch.attempts == seen.attempts,
             claimable,
         )
+        # Either way the claim counts an attempt, and writes only if the batch is still as read.
+        take = update(Batch).where(as_read).values(attempts=Batch.attempts + 1)
         if seen.attempts + 1 > max_attempts:
+            error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
             failed = session.execute(
-                update(Batch)
-                .where(as_read)
-                .values(
-                    status="failed",
-                    finished_at=now,
-                    attempts=Batch.attempts + 1,
-                    error=f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up",
-                    lease_owner=None,
-                    lease_expires_at=None,
-                )
-                .execution_options(synchronize_session=False)
+                take.values(
+                    status="failed", finished_at=now, error=error, lease_owner=None, lease_expires_at=None
+                ).execution_options(synchronize_session=False)
             )
             if not failed.rowcount:  # type: ignore[attr-defined]  # CursorResult of an UPDATE
                 lost += 1  # changed by someone else meanwhile: look again
             continue
         batch = session.scalar(
-            update(Batch)
-            .where(as_read)
-            .values(
-                status="scoring",
-                lease_owner=owner,
-                lease_expires_at=db_time(lease_seconds),
-                started_at=now,
-                attempts=Batch.attempts + 1,
-            )
+            take.values(status="scoring", lease_owner=owner, lease_expires_at=db_time(lease_seconds), started_at=now)
             .returning(Batch)
             .execution_options(synchronize_session=False, populate_existing=True)
         )

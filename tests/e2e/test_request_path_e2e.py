@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.serving import BIN, Memory, token_ids_body
+from bench.serving import BIN, Memory, post_at_once, token_ids_body
 from tests.e2e.conftest import service_env, start_service
 
 pytestmark = pytest.mark.e2e
@@ -72,24 +71,8 @@ def test_large_token_id_bodies_are_parsed_within_a_bounded_memory(tmp_path, proc
     one = (memory.peak() - start) / size
     assert one < 9, f"one {size / MB:.0f} MB body grew the server by {one:.1f}x its size"  # was 12.4x
 
-    statuses: list[int] = []
-
-    def send(body: bytes) -> None:
-        """As a client does: a 503 parsing_busy (the others held the budget past its wait) is retried."""
-        while True:
-            answer = httpx.post(f"{base}/v1/runs/r/batches", content=body, headers=JSON, timeout=120)
-            if answer.status_code != 503:
-                statuses.append(answer.status_code)
-                return
-            assert answer.json()["error"] == "parsing_busy"
-            time.sleep(float(answer.headers["retry-after"]))
-
     start = memory.reset()
-    senders = [threading.Thread(target=send, args=(body,)) for body in bodies[1:]]
-    for sender in senders:
-        sender.start()
-    for sender in senders:
-        sender.join()
+    statuses = post_at_once(f"{base}/v1/runs/r/batches", bodies[1:], timeout=120)
     four = (memory.peak() - start) / size
     assert statuses == [202] * 4
     assert four < 20, f"four concurrent bodies grew the server by {four:.1f}x one body"  # was 28-38x

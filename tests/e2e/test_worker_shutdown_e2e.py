@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -53,14 +54,23 @@ def points_once(url: str) -> bool:
     return bool(total) and total == distinct
 
 
-def test_sigterm_mid_scoring_exits_within_seconds_and_another_worker_scores_the_batch_once(
+def worker_scoring_long_run(
     processes, tmp_path, postgres_url
-):
+) -> tuple[dict[str, str], str, str, subprocess.Popen[bytes]]:
+    """A service without a worker and ``worker-1`` scoring ``long_run``'s batch under a 300 s lease:
+    (the environment, the service's URL, the batch id, worker-1)."""
     env = service_env(tmp_path, postgres_url, COLLAPSE_MONITOR_LEASE_SECONDS="300")
     base = start_service(processes, env, "--no-worker")
     batch_id = long_run(base)
-    first = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
+    worker = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
     wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
+    return env, base, batch_id, worker
+
+
+def test_sigterm_mid_scoring_exits_within_seconds_and_another_worker_scores_the_batch_once(
+    processes, tmp_path, postgres_url
+):
+    env, base, batch_id, first = worker_scoring_long_run(processes, tmp_path, postgres_url)
     time.sleep(3)  # past the model's load (interruptible too), into the forwards
     asked = time.monotonic()
     first.send_signal(signal.SIGTERM)
@@ -95,11 +105,7 @@ def test_serve_with_its_embedded_worker_exits_within_seconds_of_sigterm_mid_scor
 def test_a_worker_killed_mid_scoring_and_restarted_takes_its_batch_back_without_waiting_out_the_lease(
     processes, tmp_path, postgres_url
 ):
-    env = service_env(tmp_path, postgres_url, COLLAPSE_MONITOR_LEASE_SECONDS="300")
-    base = start_service(processes, env, "--no-worker")
-    batch_id = long_run(base)
-    killed = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
-    wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
+    env, base, batch_id, killed = worker_scoring_long_run(processes, tmp_path, postgres_url)
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait()
     assert status_of(base, batch_id)["status"] == "scoring"  # leased for 300 s to a dead process

@@ -5,20 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import create_engine, func, select
 
 from service.storage.tables import Batch, Checkpoint, MetricPoint
-from tests.fixtures import trajectories, wait_for
+from tests.fixtures import row_count, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
-
-
-def count(url, table) -> int:
-    engine = create_engine(url)
-    with engine.connect() as connection:
-        n = connection.execute(select(func.count()).select_from(table)).scalar_one()
-    engine.dispose()
-    return int(n)
 
 
 @pytest.fixture
@@ -91,7 +82,7 @@ def test_a_batch_is_accepted_before_scoring_and_replays_answer_the_same(paused, 
     )
     assert replay.status_code == 202
     assert replay.json() == first | {"replayed": True}
-    assert count(database_url, Batch.__table__) == 1
+    assert row_count(database_url, Batch) == 1
     status = paused.get(first["status_url"]).json()
     assert status["status"] == "queued"
     assert status["run"] == "demo"
@@ -106,7 +97,7 @@ def test_a_batch_id_reused_for_other_content_is_a_conflict_and_writes_nothing(pa
     assert body["error"] == "batch_id_conflict"
     assert body["field"] == "batch_id"
     assert body["detail"].startswith("batch_id 'k' was already used for different content")
-    assert count(database_url, Batch.__table__) == 1
+    assert row_count(database_url, Batch) == 1
 
 
 @pytest.mark.parametrize(
@@ -134,7 +125,7 @@ def test_an_invalid_batch_is_refused_naming_the_field_and_writes_no_row(paused, 
     error = response.json()
     assert error["error"] == "validation"
     assert any(d["field"] == field and message in d["msg"] for d in error["detail"]), error
-    assert count(database_url, Batch.__table__) == 0
+    assert row_count(database_url, Batch) == 0
 
 
 def test_malformed_json_is_a_422_naming_the_position(paused, database_url):
@@ -143,7 +134,7 @@ def test_malformed_json_is_a_422_naming_the_position(paused, database_url):
     )
     assert response.status_code == 422
     assert response.json()["detail"][0]["type"] == "json_invalid"
-    assert count(database_url, Batch.__table__) == 0
+    assert row_count(database_url, Batch) == 0
 
 
 def test_unknown_runs_and_batches_are_404(paused):
@@ -172,7 +163,7 @@ def test_batches_over_the_limits_are_413_and_write_nothing(paused, database_url)
         "field": "trajectories",
         "index": None,
     }
-    assert count(database_url, Batch.__table__) == 0
+    assert row_count(database_url, Batch) == 0
 
 
 def test_bodies_over_the_byte_limit_are_413_declared_or_streamed(database_url, client_for):
@@ -190,7 +181,7 @@ def test_bodies_over_the_byte_limit_are_413_declared_or_streamed(database_url, c
     streamed = client.post("/v1/runs/demo/batches", content=chunks(), headers={"content-type": "application/json"})
     assert streamed.status_code == 413
     assert streamed.json()["detail"].startswith("request bodies may hold at most 2048 bytes")
-    assert count(database_url, Batch.__table__) == 0
+    assert row_count(database_url, Batch) == 0
 
 
 def test_a_full_queue_answers_503_with_retry_after(paused, database_url):
@@ -202,7 +193,7 @@ def test_a_full_queue_answers_503_with_retry_after(paused, database_url):
     assert response.status_code == 503
     assert response.headers["retry-after"] == "5"
     assert response.json()["error"] == "queue_full"
-    assert count(database_url, Batch.__table__) == 3
+    assert row_count(database_url, Batch) == 3
 
 
 def test_rejections_are_counted_by_reason(paused):
@@ -248,7 +239,7 @@ def test_matrices_become_metric_points_at_once(paused, database_url):
         "field": "reasoning_lengths",
         "index": None,
     }
-    assert count(database_url, MetricPoint.__table__) == len(paused.get("/v1/runs/demo/metrics").json()["points"])
+    assert row_count(database_url, MetricPoint) == len(paused.get("/v1/runs/demo/metrics").json()["points"])
 
 
 def test_checkpoints_must_lie_under_the_root(database_url, client_for, tmp_path):
@@ -266,7 +257,7 @@ def test_checkpoints_must_lie_under_the_root(database_url, client_for, tmp_path)
     missing = client.post("/v1/runs/demo/checkpoints", json={"path": "step-10", "kind": "lora"})
     assert missing.status_code == 400
     assert "must contain adapter_config.json" in missing.json()["detail"]
-    assert count(database_url, Checkpoint.__table__) == 1
+    assert row_count(database_url, Checkpoint) == 1
 
 
 def test_checkpoints_are_refused_when_no_root_is_configured(paused):

@@ -6,20 +6,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from sqlalchemy import create_engine, func, select
 
 from service.storage.tables import Run
+from tests.fixtures import row_count
 from tests.integration.test_tokens import rejections
 
 pytestmark = pytest.mark.integration
-
-
-def run_count(url: str) -> int:
-    engine = create_engine(url)
-    with engine.connect() as connection:
-        count = connection.execute(select(func.count()).select_from(Run)).scalar_one()
-    engine.dispose()
-    return int(count)
 
 
 @pytest.fixture
@@ -75,7 +67,7 @@ def test_a_page_of_another_origin_cannot_write_or_delete(tmp_path, client_for):
             "field": None,
             "index": None,
         }
-    assert run_count(url) == 0
+    assert row_count(url, Run) == 0
     assert client.delete("/v1/runs/r", headers=local | {"origin": "http://evil.example"}).status_code == 403
     assert client.get("/v1/runs", headers=local | {"origin": "http://evil.example"}).status_code == 200  # no CORS
     same = client.post("/v1/runs", json={"name": "r"}, headers=local | {"origin": "http://127.0.0.1:8000"})

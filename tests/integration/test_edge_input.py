@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import create_engine, func, select
 
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, Run
-from tests.fixtures import trajectories
+from tests.fixtures import row_count, trajectories
 
 pytestmark = pytest.mark.integration
 BIG = 2**31
@@ -21,11 +20,7 @@ JSON = {"content-type": "application/json"}
 
 
 def rows(url: str) -> tuple[int, int]:
-    engine = create_engine(url)
-    with engine.connect() as connection:
-        counts = tuple(connection.execute(select(func.count()).select_from(t)).scalar_one() for t in (Run, Batch))
-    engine.dispose()
-    return counts  # type: ignore[return-value]  # two counts
+    return row_count(url, Run), row_count(url, Batch)
 
 
 @pytest.fixture

@@ -1,8 +1,4 @@
-"""runs, batches, metric points, latest values, checkpoints, EMA states
-
-Revision ID: 0001
-Revises:
-"""
+"""runs, batches, metric points, latest values, checkpoints, EMA states"""
 
 from __future__ import annotations
 
@@ -11,8 +7,6 @@ from alembic import op
 
 revision = "0001"
 down_revision = None
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

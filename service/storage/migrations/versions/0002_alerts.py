@@ -1,8 +1,4 @@
-"""alerts and their deliveries
-
-Revision ID: 0002
-Revises: 0001
-"""
+"""alerts and their deliveries"""
 
 from __future__ import annotations
 
@@ -11,8 +7,6 @@ from alembic import op
 
 revision = "0002"
 down_revision = "0001"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

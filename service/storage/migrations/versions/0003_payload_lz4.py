@@ -3,9 +3,6 @@
 A batch payload (~100 KB of JSON) is compressed on every ingest; lz4 takes about a third less
 time than pglz on this path and stores less (measured: 1.1 ms instead of 1.6 ms per insert).
 Nothing changes on SQLite, or on a Postgres built without lz4.
-
-Revision ID: 0003
-Revises: 0002
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ from alembic import op
 
 revision = "0003"
 down_revision = "0002"
-branch_labels = None
-depends_on = None
 log = logging.getLogger("alembic.runtime.migration")
 
 

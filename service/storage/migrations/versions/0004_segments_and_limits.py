@@ -5,9 +5,6 @@ a step below one already scored: the run starts a new segment whose series repla
 from its first step on. ``scorer_limits`` records each loaded scorer's vocabulary and context so
 that ingest refuses token ids it cannot score. ``ix_batches_run_step`` finds an identical replay
 of a batch sent without an idempotency key.
-
-Revision ID: 0004
-Revises: 0003
 """
 
 from __future__ import annotations
@@ -17,8 +14,6 @@ from alembic import op
 
 revision = "0004"
 down_revision = "0003"
-branch_labels = None
-depends_on = None
 
 SEGMENTED = ("batches", "metric_points", "latest_metrics")
 

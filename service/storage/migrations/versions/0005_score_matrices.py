@@ -3,9 +3,6 @@
 Each scored batch stores the L_tok matrix of every sampler it scored (float32 bytes) next to its
 metric points. A covering series index (run, sampler, name, step, value) serves chart, sparkline and alert reads are
 served from the index alone (measured: 600 sparkline queries 230 ms -> 80 ms on SQLite).
-
-Revision ID: 0005
-Revises: 0004
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0005"
 down_revision = "0004"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

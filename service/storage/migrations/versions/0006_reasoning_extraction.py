@@ -3,9 +3,6 @@
 Runs created before this setting existed get ``auto``: for turns with think tags it reads them as
 ``think_tags`` did, and turns without tags, which scored nothing before, now score their whole
 response. A trainer re-posting its run without the field (default ``auto``) still matches.
-
-Revision ID: 0006
-Revises: 0005
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0006"
 down_revision = "0005"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

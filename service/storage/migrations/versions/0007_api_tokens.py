@@ -3,9 +3,6 @@
 ``api_tokens`` holds bearer tokens (only the SHA-256 of each secret); ``runs.created_by_token``
 lets ``max_runs_per_token`` count an ingest token's runs; ``batches.payload_purged_at`` marks a
 batch whose payload ``payload_retention_days`` (or ``collapse-monitor purge``) removed.
-
-Revision ID: 0007
-Revises: 0006
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0007"
 down_revision = "0006"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

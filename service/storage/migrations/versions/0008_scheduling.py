@@ -2,9 +2,6 @@
 
 Runs created before get NULL, which counts as never served: each is served once before the
 round-robin order takes over.
-
-Revision ID: 0008
-Revises: 0007
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ from alembic import op
 
 revision = "0008"
 down_revision = "0007"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -3,9 +3,6 @@
 With ``auth: auto`` every write needs a token once one was ever issued; that fact lives in its
 own one-row table, so that revoking every token (or emptying ``api_tokens``) does not reopen
 writes. A database that already holds tokens gets the row now, dated by its first token.
-
-Revision ID: 0009
-Revises: 0008
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0009"
 down_revision = "0008"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:

@@ -3,9 +3,6 @@
 Matrices stored before get NULL excerpts: the heatmap shows none for them rather than parsing
 their batch's payload on every read. Runs without a checkpoint replay their history once, at
 their next scored step, and resume from the checkpoint written then.
-
-Revision ID: 0010
-Revises: 0009
 """
 
 from __future__ import annotations
@@ -15,8 +12,6 @@ from alembic import op
 
 revision = "0010"
 down_revision = "0009"
-branch_labels = None
-depends_on = None
 
 
 def upgrade() -> None:
