@@ -16,13 +16,15 @@ Shapes (rows x distinct prompts x reasoning tokens; prompts of ~200 tokens shari
     draws     64 x 64 x ~200  the trajectory sampler of a multi-prompt batch
     --quick   rows and reasoning halved
 
-Prints one JSON object: the model, threads, budget, per-step records and the per-shape summary.
+Prints one JSON object: the model, threads, budget, the 1-minute load average before and after (the
+figures of a shared machine move with it), per-step records and the per-shape summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -75,6 +77,7 @@ def main() -> None:
     scorer = load_scorer(config, CACHE)
     limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
     rates = ScoringRates()
+    load_before = os.getloadavg()[0]
     steps: list[dict[str, Any]] = []
     for round_ in range(args.rounds):
         for shape in args.shapes.split(","):
@@ -113,6 +116,7 @@ def main() -> None:
                 "threads": torch.get_num_threads(),
                 "budget_seconds": args.budget,
                 "quick": args.quick,
+                "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],  # a shared machine's noise
                 "steps": steps,
                 "summary": summary,
             },

@@ -1,4 +1,4 @@
-"""The scoring budget's pure parts: a batch's predicted cost, the throughput model, and the plan."""
+"""The scoring budget: a batch's predicted cost, the throughput model, the plan, and a step's share of it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from scoring.budget import (
 )
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, matched_and_marginal
 from scoring.window import fit_window
+from service.jobs.budget import Budget, ScoringRates
 from tests.conftest import VOCAB, random_batch, trajectory_batch
 
 RATE = 1000.0  # tokens per second of the throughput the plans below are made with
@@ -153,3 +154,35 @@ def test_a_smaller_plan_reports_the_standard_error_of_the_rows_it_scored():
     low, high = small.intervals["mi_estimate"]
     full_low, full_high = full.intervals["mi_estimate"]
     assert high - low > 1.2 * (full_high - full_low)
+
+
+def test_a_step_budget_is_shared_by_predicted_seconds_and_passes_on_what_is_left(llama64):
+    rates = ScoringRates()
+    rates.observe(llama64.name, BatchCost(int(RATE), 100.0), 1.0)
+    config = ScoringConfig(model="test", dtype="float64")
+    small, large = grouped_batch(per_group=4, reasoning=60), grouped_batch(per_group=12, reasoning=60, seed=1)
+    budget = Budget(10.0, rates, llama64, config, 256, 512)
+    budget.start({"first_turn": small, "trajectory": large})
+    assert budget.rate_source == "measured"
+    throughput = rates.of(llama64.name)
+    predicted = [throughput.predict_seconds(batch_cost(b)) or 0.0 for b in (small, large)]
+    plan, planned, _ = budget.plan("first_turn", small, keeps_columns=True)
+    assert plan.budget_seconds == pytest.approx(10.0 * predicted[0] / sum(predicted))
+    budget.spent(planned, batch_cost(planned).tokens, 4.0)  # slower than predicted
+    plan, _, _ = budget.plan("trajectory", large, keeps_columns=False)
+    assert plan.budget_seconds == pytest.approx(6.0)  # the last sampler gets what is left
+
+
+def test_the_first_budgeted_step_of_a_scorer_times_a_warm_up_and_an_unbudgeted_one_does_not(llama64):
+    config = ScoringConfig(model="test", dtype="float64")
+    batch = grouped_batch(per_group=4, reasoning=60)
+    unbudgeted = Budget(None, ScoringRates(), llama64, config, 256, 512)
+    unbudgeted.start({"first_turn": batch})
+    assert unbudgeted.rate_source == "none"
+    assert unbudgeted.rates.of(llama64.name).is_empty
+    budgeted = Budget(10.0, ScoringRates(), llama64, config, 256, 512)
+    budgeted.start({"first_turn": batch})
+    assert budgeted.rate_source == "warm-up"
+    assert not budgeted.rates.of(llama64.name).is_empty
+    assert budgeted.left is not None
+    assert budgeted.left < 10.0  # the warm-up's seconds count against the step
