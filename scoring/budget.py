@@ -23,8 +23,8 @@ from scoring.window import WindowCut, fit_window
 
 # Floors of the plan. Rows: the row bootstrap behind the intervals and the per-prompt breakdown need a
 # sample; 16 rows keep the MI bound (ln N) and the bootstrap's 2.5% tail (0.4 rows) meaningful. Window:
-# 64 tokens, the shortest of the windows (64-512) whose cost in MI and separation issue 19 has measured
-# (docs/scoring.md, Windows).
+# 64 tokens, the shortest of the windows (64-512) whose cost in MI and separation issue 19 (item 1) asks
+# to measure; a plan's window is reported with its results either way.
 MIN_PLANNED_ROWS = 16
 MIN_PLANNED_WINDOW = 64
 
