@@ -342,6 +342,15 @@ class ScheduleSettings(_Strict):
         le=INT32_MAX,
         description="Score every N-th step (RAGEN's compute_freq): step 1 and multiples of N; 1 = every batch.",
     )
+    budget_seconds: float | None = Field(
+        None,
+        ge=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="Kernel seconds one scored step may take (the worker scores fewer rows, then a shorter "
+        "reasoning window, to fit; docs/scoring.md, Budget). null: the service's scoring_budget_seconds; 0: no "
+        "budget for this run.",
+    )
 
 
 SamplerName = Literal["first_turn", "trajectory"]
@@ -552,6 +561,27 @@ class WindowResult(BaseModel):
     merged_columns: int = Field(description="Prompts that became identical to another once their head was cut.")
 
 
+class PlanResult(BaseModel):
+    """What the worker planned to score of one sampler's rows within the step's budget, and what it took."""
+
+    budget_seconds: float | None = Field(description="Kernel seconds allotted to this sampler; null: no budget.")
+    predicted_seconds: float | None = Field(
+        description="The scorer's measured throughput's prediction for the planned rows; null before any measurement."
+    )
+    seconds: float = Field(description="Kernel seconds the planned rows took.")
+    rows: int = Field(description="Rows scored.")
+    rows_available: int = Field(description="Rows the sampler drew (sampler.num_samples, or every usable row).")
+    max_reasoning_tokens: int | None = Field(description="Reasoning window planned (null: whole reasonings).")
+    predicted_tokens: int = Field(description="Tokens the kernel was predicted to run.")
+    tokens: int = Field(description="Tokens the kernel ran.")
+    is_within_budget: bool = Field(description="False when even the floors were predicted past the budget.")
+    rate_source: Literal["measured", "warm-up", "none"] = Field(
+        description="Where the prediction came from: batches this worker scored before, a warm-up batch timed "
+        "before this step (the first of its scorer in this process), or none (no budget, nothing measured yet)."
+    )
+    reason: str = Field(description="What was cut and why.")
+
+
 class SamplerResult(BaseModel):
     """What one sampler's cross-scoring of a batch says (``skipped_reason`` set when it scored nothing)."""
 
@@ -565,6 +595,7 @@ class SamplerResult(BaseModel):
     )
     skipped_reason: str | None = None
     window: WindowResult | None = Field(None, description="What the reasoning window and the context cut.")
+    plan: PlanResult | None = Field(None, description="What the scoring budget planned (rows, window) and why.")
 
     @classmethod
     def of(

@@ -16,6 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from scoring.config import ScoringConfig
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS
 
+# The embedded CPU scorer's step budget (docs/scoring.md, Budget, for the measurement behind it).
+DEFAULT_SCORING_BUDGET_SECONDS = 60.0
+
 _SCORING = ScoringConfig()  # scoring's defaults; the settings reuse them
 WILDCARD_BINDS = ("0.0.0.0", "::", "")  # every interface: clients reach it under names it cannot know
 
@@ -157,6 +160,16 @@ class Settings(BaseSettings):
         "written in answer to the prompt), and a prompt that still does not fit the scorer's context keeps its "
         "last tokens; what was cut is reported per sampler (truncated_reasoning_ratio). Cost grows with it "
         "linearly (docs/scoring.md, Windows); 0 scores whole reasonings up to the scorer's context.",
+    )
+
+    scoring_budget_seconds: float = Field(
+        DEFAULT_SCORING_BUDGET_SECONDS,
+        ge=0,
+        description="Kernel seconds a scheduled step may take, all its samplers together (a run may set its own: "
+        "schedule.budget_seconds). The worker predicts each sampler's seconds from its scorer's measured tokens "
+        "per second and, past the budget, scores fewer rows, then a shorter reasoning window, never below their "
+        "floors (docs/scoring.md, Budget); what it planned is in each sampler's `plan`. Never fails a step, unlike "
+        "max_scoring_seconds. 0: no budget.",
     )
 
     max_trajectories: int = Field(4096, ge=1, description="Trajectories per batch.")

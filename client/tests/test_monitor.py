@@ -68,7 +68,7 @@ def test_run_settings_pass_through_and_other_settings_attach_with_a_warning(serv
     monitor.log(1, trajectories(1))
     assert monitor.flush(30)
     info = monitor.run_info()
-    assert info["schedule"] == {"every": 5}
+    assert info["schedule"] == {"every": 5, "budget_seconds": None}  # null: the service's budget
     assert info["temperature"] == 0.7
     assert info["metadata"]["algorithm"] == "GRPO"
     assert info["sampler"]["num_samples"] == 16

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query
 
 from service.api.deps import Caller, State
 from service.schemas import LatestValue, OverviewResponse, RunMetadata, RunOverview, Sparkline
+from service.snapshot import run_metadata
 from service.storage import overview
 from service.storage.tables import Run, iso_time
 
@@ -65,7 +66,7 @@ def _overview(
     return RunOverview(
         name=run.name,
         project=run.project,
-        metadata=RunMetadata.model_validate(run.details),
+        metadata=RunMetadata.model_validate(run_metadata(run.details)),
         scorer=run.scorer,
         scorer_mode=run.scorer_mode,
         score_every=run.score_every,

@@ -49,11 +49,15 @@ class Pace:
         assert self.seconds_per_step is not None
         assert self.seconds_between_steps is not None
         every = math.ceil(self.seconds_per_step / self.seconds_between_steps)
+        # The kernel's share of a step, leaving the rest of the interval to the estimators and the writes.
+        budget = max(1.0, 0.8 * self.seconds_between_steps)
         return (
             f"scoring falls behind run {run!r}: {self.waiting} of its batches wait, a step takes ~"
             f"{self.seconds_per_step:.0f} s to score and steps arrive every ~{self.seconds_between_steps:.0f} s, "
             f"so its figures come later at each step. Score every {every}th step or more (schedule.every), fewer "
-            "rows (sampler.num_samples), less of each reasoning (max_reasoning_tokens), or add a worker or a GPU "
+            "rows (sampler.num_samples), less of each reasoning (max_reasoning_tokens), a per-step scoring budget "
+            f"below the step interval (schedule.budget_seconds, e.g. {budget:.0f}: the worker then scores fewer rows "
+            "or a shorter window and says so in each sampler's plan), or add a worker or a GPU "
             "(docs/benchmarks.md, capacity)"
         )
 

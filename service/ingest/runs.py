@@ -14,7 +14,7 @@ from service.ingest.pace import run_pace
 from service.jobs.checkpoints import resolve_checkpoint
 from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
-from service.snapshot import RunSnapshot
+from service.snapshot import BUDGET_KEY, RunSnapshot, run_budget, run_metadata
 from service.storage import deletion, queries, tokens
 from service.storage.tables import Checkpoint, Run
 
@@ -45,10 +45,10 @@ def run_settings(run: Run) -> RunCreate:
         {
             "name": run.name,
             "project": run.project,
-            "metadata": run.details,
+            "metadata": run_metadata(run.details),
             "scorer": run.scorer,
             "scorer_mode": run.scorer_mode,
-            "schedule": {"every": run.score_every},
+            "schedule": {"every": run.score_every, "budget_seconds": run_budget(run.details)},
             "sampler": {"samplers": run.samplers, "num_samples": run.num_samples, "seed": run.seed},
             "temperature": run.temperature,
             "filter": run.filter,
@@ -93,7 +93,7 @@ def create_run(
             run = Run(
                 name=wanted.name,
                 project=wanted.project,
-                details=wanted.metadata.model_dump(),
+                details={**wanted.metadata.model_dump(), BUDGET_KEY: wanted.schedule.budget_seconds},
                 scorer=wanted.scorer,
                 scorer_mode=wanted.scorer_mode,
                 score_every=wanted.schedule.every,

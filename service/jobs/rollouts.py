@@ -7,21 +7,24 @@ loads torch): everything the batch writes comes back as one ``ScoredBatch``, whi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
+from scoring.budget import Plan, subset
 from scoring.cross_scores import score_batch
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction, turn_token_ids
-from scoring.samplers import SAMPLERS, Trajectory, Turn, coverage, sample_rows
+from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, coverage, sample_rows
 from scoring.scorer import Scorer
-from scoring.window import fit_window, sequence_limit
+from scoring.window import sequence_limit
 from service.errors import InvalidRequest
+from service.jobs.budget import Budget, ScoringRates
 from service.jobs.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
 from service.jobs.recording import ALL, ScoredBatch
 from service.jobs.reward_figures import reward_figures
 from service.schemas import BatchIn, BatchResult
 from service.settings import Settings
-from service.snapshot import RunSnapshot, is_scheduled
+from service.snapshot import RunSnapshot, is_scheduled, step_budget
 from service.storage.matrices import MatrixRecord
 from service.storage.queries import Point
 
@@ -33,10 +36,13 @@ def score_rollouts(
     get_scorer: Callable[[], Scorer],
     settings: Settings,
     check: Callable[[], None] | None = None,
+    rates: ScoringRates | None = None,
 ) -> ScoredBatch:
     """Reward/SNR and coverage figures for every batch; cross-scoring diagnostics on scheduled steps.
 
     ``check`` goes to the kernel, which calls it between layers (the worker's time limit and shutdown).
+    ``rates`` is the worker's measured throughput of its scorers: each sampler is planned within the step's
+    scoring budget from it (``service.jobs.budget``), and every scored batch adds to it.
 
     A scheduled step counts as scored only when some sampler produced metrics: a batch whose
     turns carry no reasoning says so in ``skipped_reason`` instead.
@@ -63,16 +69,35 @@ def score_rollouts(
     config = settings.scoring_config(scorer.name, run.temperature)
     trajectories = tokenized(payload, scorer, run.reasoning_extraction)
     scored.scorer = run.scorer
-    for index, sampler in enumerate(run.samplers):
-        rows = sample_rows(
+    rates = rates or ScoringRates()
+    limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
+    drawn = {
+        sampler: sample_rows(
             sampler, trajectories, run.num_samples, seed=[run.seed, payload.step, SAMPLERS.index(sampler)]
         )
-        if rows is None:
+        for sampler in run.samplers
+    }
+    budget = Budget(
+        step_budget(run, settings.scoring_budget_seconds),
+        rates,
+        scorer,
+        config,
+        limit,
+        settings.reasoning_window,
+        check,
+    )
+    budget.start({sampler: rows.batch for sampler, rows in drawn.items() if rows is not None})
+    for index, sampler in enumerate(run.samplers):
+        drawn_rows = drawn[sampler]
+        if drawn_rows is None:
             scored.skip_sampler(sampler, "no turn carries reasoning to score")
             continue
-        limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
-        batch, cut = fit_window(rows.batch, settings.reasoning_window, limit)
+        plan, batch, cut = budget.plan(sampler, drawn_rows.batch, keeps_columns=sampler == "first_turn")
+        rows = _planned_rows(drawn_rows, plan)
+        started = time.perf_counter()
         cross = score_batch(scorer, batch, config, check)
+        seconds = time.perf_counter() - started
+        budget.spent(batch, cross.tokens_processed, seconds)
         scored.tokens += cross.tokens_processed
         labels = _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload)
         diagnostics, ema = compute_diagnostics(
@@ -90,6 +115,9 @@ def score_rollouts(
         )
         matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources, excerpts)
         scored.add_sampler(sampler, diagnostics, ema, matrix, entropy, cut)
+        result = (scored.result.samplers or {})[sampler]
+        result.plan = budget.result(plan, seconds, cross.tokens_processed, cut.max_reasoning_tokens)
+        scored.points.append(Point(sampler, "planned_rows_ratio", plan.planned_rows_ratio))
     samplers = scored.result.samplers or {}
     scored.result.scored = any(result.metrics for result in samplers.values())
     if not scored.result.scored:
@@ -129,6 +157,13 @@ def tokenized(payload: BatchIn, scorer: Scorer, extraction: Extraction = "think_
             turns.append(Turn(prompt_ids=x, reasoning_ids=z))
         trajectories.append(Trajectory(group_id=trajectory.group_id, turns=tuple(turns)))
     return trajectories
+
+
+def _planned_rows(rows: SampledRows, plan: Plan) -> SampledRows:
+    """The sampled rows the plan keeps, with their sources."""
+    if len(plan.rows) == rows.batch.n_rows:
+        return rows
+    return SampledRows(batch=subset(rows.batch, plan.rows), sources=tuple(rows.sources[r] for r in plan.rows))
 
 
 def _column_labels(

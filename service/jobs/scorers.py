@@ -14,6 +14,7 @@ from pathlib import Path
 from scoring import Scorer, load_scorer
 from scoring.scorer import ModelLoadError
 from service.errors import InvalidRequest
+from service.jobs.budget import ScoringRates
 from service.jobs.checkpoints import checkpoint_at_load
 from service.settings import Settings
 
@@ -38,6 +39,7 @@ class ScorerPool:
         self._loaded: OrderedDict[Key, Scorer] = OrderedDict()
         self._lock = threading.Lock()  # guards _loaded and _loading; never held across a load
         self._loading: dict[Key, threading.Lock] = {}  # one lock per key being loaded
+        self.rates = ScoringRates()  # the measured throughput of the scorers, which the step budget plans with
 
     def get(self, name: str, checkpoint: Path | None = None, kind: str = "full") -> Scorer:
         key = (name, f"{kind}:{checkpoint}" if checkpoint else None)

@@ -244,7 +244,7 @@ class Worker:
             self._record_limits(claimed.run.scorer, loaded)
             return loaded
 
-        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings, check)
+        scored = score_rollouts(payload, claimed.run, claimed.emas, scorer, self.settings, check, self.pool.rates)
         scored.checkpoint = claimed.checkpoint_path
         return scored
 

@@ -24,7 +24,7 @@ def test_a_backlog_growing_faster_than_it_is_scored_is_reported_with_the_figures
     lag = client.get("/v1/runs/fast-trainer").json()["scoring_lag"]
     assert lag is not None
     assert lag.startswith("scoring falls behind run 'fast-trainer': ")
-    for remedy in ("schedule.every", "sampler.num_samples", "max_reasoning_tokens"):
+    for remedy in ("schedule.every", "sampler.num_samples", "max_reasoning_tokens", "schedule.budget_seconds"):
         assert remedy in lag
     answer = client.post("/v1/runs/fast-trainer/batches", json=long_batch(2000, step=12)).json()
     assert any(w.startswith("scoring falls behind run 'fast-trainer'") for w in answer["warnings"])
@@ -56,3 +56,4 @@ def test_lag_needs_a_backlog_and_steps_costlier_than_their_interval(pace, laggin
     if lagging:
         assert "a step takes ~40 s to score and steps arrive every ~10 s" in str(warning)
         assert "Score every 4th step or more (schedule.every)" in str(warning)
+        assert "a per-step scoring budget below the step interval (schedule.budget_seconds, e.g. 8:" in str(warning)
