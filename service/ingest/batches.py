@@ -89,5 +89,7 @@ def _commit_rollouts(
             figures.checkpoint = checkpoint.path if checkpoint else None
             finish_done(session, snapshot, batch.id, None, figures, seconds, settings)
             accepted = accepted.model_copy(update={"status": "done"})
-        lag = run_pace(session, run.id).warning(run.name)
+        # A run with nothing queued has at most one batch being scored, short of a backlog (pace.BACKLOG): a step
+        # finished here skips the pace's reads of the run's history.
+        lag = run_pace(session, run.id).warning(run.name) if scheduled or queries.queue_depth(session, run.id) else None
     return accepted, extraction, lag

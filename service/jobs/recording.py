@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from sqlalchemy import exists, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from scoring.estimators import Diagnostics, EmaState
@@ -119,6 +119,7 @@ def finish_done(
     holds it (None: a batch no worker holds, such as the row ingest has just added in this transaction).
 
     False when another worker holds the batch now: the caller must roll back."""
+    _lock_run(session, run.id)
     finished = queries.finish_batch(
         session,
         batch_id,
@@ -140,20 +141,23 @@ def finish_failed(session: Session, batch_id: str, owner: str | None, reason: st
 
     Later steps of its run recorded meanwhile (off the schedule) left their alerts to this batch's
     finish: they are evaluated now."""
+    run_id = session.scalar(select(Batch.run_id).where(Batch.id == batch_id))
+    if run_id is not None:  # else deleted with its run: the UPDATE below finds nothing
+        _lock_run(session, run_id)
     if not queries.finish_batch(session, batch_id, owner, status="failed", error=reason):
         return False
-    batch = session.get_one(Batch, batch_id)  # the UPDATE above found it in this transaction
+    batch = session.get_one(Batch, batch_id)
     run = RunSnapshot.of(session.get_one(Run, batch.run_id))
     if not run.alerts.enabled:
         return True
-    _lock_checkpoints(session, run, [*run.samplers, ALL])
     later = session.scalars(
         select(MetricPoint.sampler)
         .where(MetricPoint.run_id == run.id, MetricPoint.segment == batch.segment, MetricPoint.step > batch.step)
         .distinct()
     ).all()
-    if later and not _waits_behind(session, batch):
-        update_alerts(session, run, batch.step, sorted(later), settings, segment=batch.segment)
+    waiting = _first_waiting_step(session, batch)
+    if later and (waiting is None or waiting > batch.step):
+        update_alerts(session, run, batch.step, sorted(later), settings, segment=batch.segment, before=waiting)
     return True
 
 
@@ -170,28 +174,31 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
     if not run.alerts.enabled:
         return
-    _lock_checkpoints(session, run, samplers)
-    if _waits_behind(session, batch):
+    waiting = _first_waiting_step(session, batch)
+    if waiting is not None and waiting < step:
         return
     lost = {name: result.lost_group_ids for name, result in (scored.result.samplers or {}).items() if result.metrics}
-    update_alerts(session, run, step, samplers, settings, lost, batch.segment)
+    update_alerts(session, run, step, samplers, settings, lost, batch.segment, before=waiting)
 
 
-def _lock_checkpoints(session: Session, run: RunSnapshot, samplers: Iterable[str]) -> None:
-    """Locks the (run, sampler)s' alert checkpoints before ``_waits_behind`` looks, so that an earlier step's
-    finish either came first (and is seen done) or waits here, then reads this transaction's points.
-    In one order (sorted) whoever locks them, so that two finishes cannot wait on each other."""
-    for sampler in sorted(set(samplers)):
-        queries.lock_alert_checkpoint(session, run.id, sampler)
+def _lock_run(session: Session, run_id: int) -> None:
+    """Takes the run's row lock (Postgres) before a batch of it is finished, as ingest holds it from the
+    segment's move (``advance_segment``) to its commit: so a finish and an ingest of one run take turns,
+    and ``_first_waiting_step`` sees either the other one's batch finished or its own points read by the
+    other's evaluation. First, before any other row: the two then never wait on each other. On SQLite the
+    one writer orders them already."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(select(Run.id).where(Run.id == run_id).with_for_update(key_share=True))
 
 
-def _waits_behind(session: Session, batch: Batch) -> bool:
-    """Whether an earlier step of the batch's run, in its segment, is still queued or being scored (read
-    under ``_lock_checkpoints``; on SQLite the write lock orders the two finishes anyway)."""
-    waiting = exists().where(
+def _first_waiting_step(session: Session, batch: Batch) -> int | None:
+    """The first step of the batch's run, in its segment, still queued or being scored (read under
+    ``_lock_run``): the rules read only the steps before it, and none of a batch after it."""
+    waiting = select(func.min(Batch.step)).where(
         Batch.run_id == batch.run_id,
         Batch.status.in_(("queued", "scoring")),
         Batch.segment == batch.segment,
-        Batch.step < batch.step,
+        Batch.id != batch.id,
     )
-    return bool(session.scalar(select(waiting)))
+    step = session.scalar(waiting)
+    return int(step) if step is not None else None
