@@ -119,7 +119,6 @@ def finish_done(
     holds it (None: a batch no worker holds, such as the row ingest has just added in this transaction).
 
     False when another worker holds the batch now: the caller must roll back."""
-    _lock_run(session, run.id)
     finished = queries.finish_batch(
         session,
         batch_id,
@@ -141,15 +140,13 @@ def finish_failed(session: Session, batch_id: str, owner: str | None, reason: st
 
     Later steps of its run recorded meanwhile (off the schedule) left their alerts to this batch's
     finish: they are evaluated now."""
-    run_id = session.scalar(select(Batch.run_id).where(Batch.id == batch_id))
-    if run_id is not None:  # else deleted with its run: the UPDATE below finds nothing
-        _lock_run(session, run_id)
     if not queries.finish_batch(session, batch_id, owner, status="failed", error=reason):
         return False
     batch = session.get_one(Batch, batch_id)
     run = RunSnapshot.of(session.get_one(Run, batch.run_id))
     if not run.alerts.enabled:
         return True
+    _lock_checkpoints(session, run, _in_step_order(run, [*run.samplers, ALL]))
     later = session.scalars(
         select(MetricPoint.sampler)
         .where(MetricPoint.run_id == run.id, MetricPoint.segment == batch.segment, MetricPoint.step > batch.step)
@@ -174,26 +171,38 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
     if not run.alerts.enabled:
         return
-    waiting = _first_waiting_step(session, batch)
-    if waiting is not None and waiting < step:
-        return
     lost = {name: result.lost_group_ids for name, result in (scored.result.samplers or {}).items() if result.metrics}
-    update_alerts(session, run, step, samplers, settings, lost, batch.segment, before=waiting)
+    ordered = _in_step_order(run, samplers)
+    if others := [sampler for sampler in samplers if sampler not in ordered]:  # a matrix's own sampler
+        update_alerts(session, run, step, others, settings, lost, batch.segment)
+    if not ordered:
+        return
+    _lock_checkpoints(session, run, ordered)
+    waiting = _first_waiting_step(session, batch)
+    if waiting is None or waiting > step:
+        update_alerts(session, run, step, ordered, settings, lost, batch.segment, before=waiting)
 
 
-def _lock_run(session: Session, run_id: int) -> None:
-    """Takes the run's row lock (Postgres) before a batch of it is finished, as ingest holds it from the
-    segment's move (``advance_segment``) to its commit: so a finish and an ingest of one run take turns,
-    and ``_first_waiting_step`` sees either the other one's batch finished or its own points read by the
-    other's evaluation. First, before any other row: the two then never wait on each other. On SQLite the
-    one writer orders them already."""
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(select(Run.id).where(Run.id == run_id).with_for_update(key_share=True))
+def _in_step_order(run: RunSnapshot, samplers: Iterable[str]) -> list[str]:
+    """The samplers a waiting batch may still write (a rollouts batch: ``all`` and the run's samplers), whose
+    alerts must therefore see the steps in order; a matrix under a sampler name of its own has none."""
+    return [sampler for sampler in samplers if sampler == ALL or sampler in run.samplers]
+
+
+def _lock_checkpoints(session: Session, run: RunSnapshot, samplers: Iterable[str]) -> None:
+    """Locks the (run, sampler)s' alert checkpoints (Postgres; on SQLite the one writer orders finishes
+    already) before ``_first_waiting_step`` looks, as the evaluation of an earlier step's finish does: so
+    either that finish came first and is seen done, or it waits here and then reads this step's points.
+    Sorted, whoever locks them, so that two finishes never wait on each other."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    for sampler in sorted(set(samplers)):
+        queries.lock_alert_checkpoint(session, run.id, sampler)
 
 
 def _first_waiting_step(session: Session, batch: Batch) -> int | None:
     """The first step of the batch's run, in its segment, still queued or being scored (read under
-    ``_lock_run``): the rules read only the steps before it, and none of a batch after it."""
+    ``_lock_checkpoints``): the rules read only the steps before it, and none of a batch after it."""
     waiting = select(func.min(Batch.step)).where(
         Batch.run_id == batch.run_id,
         Batch.status.in_(("queued", "scoring")),
