@@ -9,17 +9,19 @@ done per second over ``--seconds``. Measured alone, then while ``--trainers``
 noise trainers each post one batch a second (phases spread) of batches that need no scoring:
 
 - ``off-schedule``: 64-trajectory batches to runs created with ``schedule: {"every": 1000000}``,
-  steps 2, 3, ...: stored, and claimed by the worker only for their reward figures;
+  steps 2, 3, ...: their figures computed and recorded in the request (answered ``done``), never queued;
 - ``matrices``: a 64 x 16 matrix to ``POST /v1/runs/{run}/matrices``: diagnosed in the request, no worker.
 
 Prints one JSON object per (backend, noise): both throughputs, their ratio (target: the load costs
-at most 20%, ratio >= 0.8), and the noise requests' p50/p99 latency and errors.
+at most 20%, ratio >= 0.8), the noise requests' p50/p99 latency and errors, and the machine's 1-minute
+load average at the start and end of each phase (the ratio only means something on a quiet machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import threading
 import time
@@ -113,10 +115,15 @@ class ScoredRun:
     def rate(self, seconds: float, expected: float) -> dict[str, Any]:
         """Scored steps per second over ``seconds`` with a backlog of about twice what ``expected`` would do."""
         self.post(int(expected * seconds * 2) + 10)
+        load = os.getloadavg()[0]
         t0, k0 = time.monotonic(), self.done()
         time.sleep(seconds)
         k1, t1 = self.done(), time.monotonic()
-        return {"steps_per_second": round((k1 - k0) / (t1 - t0), 3), "drained": k1 == len(self.ids)}
+        return {
+            "steps_per_second": round((k1 - k0) / (t1 - t0), 3),
+            "drained": k1 == len(self.ids),
+            "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],
+        }
 
 
 class Noise:
@@ -187,6 +194,8 @@ def measure(base: str, kind: str, trainers: int, rate: float, seconds: float, ti
             "scored_steps_per_second_loaded": loaded["steps_per_second"],
             "loaded_over_alone": round(loaded["steps_per_second"] / alone["steps_per_second"], 3),
             "backlog_drained": alone["drained"] or loaded["drained"],
+            "load_average_alone": alone["load_average"],
+            "load_average_loaded": loaded["load_average"],
             "noise_requests": len(noise.latencies),
             "noise_requests_per_second": round(len(noise.latencies) / elapsed, 1),
             "noise_errors": noise.errors,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session
 
 from service.alerts.notifications import notifications
-from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, needed_series
+from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, Series, needed_series
 from service.schemas import AlertSettings, RuleName
 from service.settings import Settings
 from service.snapshot import RunSnapshot
@@ -32,6 +32,7 @@ def update_alerts(
     settings: Settings,
     lost: dict[str, list[int]] | None = None,
     segment: int | None = None,
+    before: int | None = None,
 ) -> list[tuple[Alert, str]]:
     """Re-evaluates the run's alert rules after ``step`` and queues the notifications they owe.
 
@@ -39,7 +40,8 @@ def update_alerts(
     notifications are stored together with the figures that caused them. Returns the firing and
     resolved events. ``lost``: per sampler, the group ids of this step's prompts that lost input
     dependence, which a TemplateCollapse alert names. ``segment``: the batch's (None: unknown,
-    which replays the whole history).
+    which replays the whole history). ``before``: the rules read only the steps before it (an
+    earlier step of the run still waits to be scored; the points after it wait for its evaluation).
 
     Each (run, sampler) resumes the rules from its checkpoint and reads only the points written
     since (bounded work per step); it replays the whole history instead, and writes a new
@@ -49,7 +51,7 @@ def update_alerts(
     """
     events: list[tuple[Alert, Event]] = []
     for sampler in samplers:
-        found = _evaluate(session, run, sampler, step, segment, (lost or {}).get(sampler))
+        found = _evaluate(session, run, sampler, step, segment, (lost or {}).get(sampler), before)
         events += _reconcile(session, run.id, sampler, step, found)
     session.flush()  # alert ids for the deliveries
     for alert, event in events:
@@ -73,7 +75,13 @@ def rules_key(config: AlertSettings) -> str:
 
 
 def _evaluate(
-    session: Session, run: RunSnapshot, sampler: str, step: int, segment: int | None, lost: list[int] | None
+    session: Session,
+    run: RunSnapshot,
+    sampler: str,
+    step: int,
+    segment: int | None,
+    lost: list[int] | None,
+    before: int | None = None,
 ) -> _Found:
     config = run.alerts
     if not config.enabled:
@@ -88,7 +96,7 @@ def _evaluate(
     )
     found: _Found | None = None
     if resumable:
-        new = queries.alert_series_after(session, run.id, sampler, names, current, checkpoint.step)
+        new = _until(queries.alert_series_after(session, run.id, sampler, names, current, checkpoint.step), before)
         replay = Replay(run.name, sampler, config, checkpoint.state)
         try:
             replay.feed(new)
@@ -96,7 +104,7 @@ def _evaluate(
         except Rewind:
             pass
     if found is None:
-        new = queries.alert_series(session, run.id, sampler, names)
+        new = _until(queries.alert_series(session, run.id, sampler, names), before)
         replay = Replay(run.name, sampler, config)
         replay.feed(new)
         found = _Found(replay.episodes(lost))
@@ -104,6 +112,12 @@ def _evaluate(
     checkpoint.state, checkpoint.rules_key, checkpoint.segment = replay.state(), key, current
     checkpoint.step, checkpoint.updated_at = max(newest, checkpoint.step if resumable else -1), utcnow()
     return found
+
+
+def _until(series: Series, before: int | None) -> Series:
+    if before is None:
+        return series
+    return {name: [(s, v) for s, v in points if s < before] for name, points in series.items()}
 
 
 def _reconcile(session: Session, run_id: int, sampler: str, step: int, found: _Found) -> list[tuple[Alert, Event]]:

@@ -1,7 +1,14 @@
-"""Rollouts batches: limits checked, queued for a worker in one transaction, answered 202; replays as the first time."""
+"""Rollouts batches: limits checked, stored in one transaction, answered 202; replays as the first time.
+
+A step the run's schedule scores is queued for a worker. A step off the schedule needs no model: its
+figures (rewards, reasoning coverage) are computed here and the batch is finished ``done`` in the same
+transaction, through the worker's own finish (``service.jobs.recording.finish_done``), so that noise
+never takes a worker's turn.
+"""
 
 from __future__ import annotations
 
+import time
 from typing import cast
 
 from sqlalchemy.exc import IntegrityError
@@ -13,8 +20,11 @@ from service.ingest.limits import check_batch_limits, check_groups, check_queues
 from service.ingest.pace import run_pace
 from service.ingest.runs import require_run, segment_for
 from service.jobs.reasoning import ingest_warnings
+from service.jobs.recording import finish_done
+from service.jobs.reward_figures import batch_figures
 from service.schemas import BatchAccepted, BatchIn
 from service.settings import Settings
+from service.snapshot import RunSnapshot, is_scheduled
 from service.storage import queries
 from service.storage.tables import ScorerLimits
 
@@ -35,7 +45,7 @@ def ingest_rollouts(
 def _commit_rollouts(
     sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
 ) -> tuple[BatchAccepted, Extraction, str | None]:
-    """The batch queued in one transaction (or an identical earlier one), the run's reasoning extraction, and
+    """The batch stored in one transaction (or an identical earlier one), the run's reasoning extraction, and
     the warning that scoring lags behind the run (``service.ingest.pace``), if it does."""
     # Hashed before the transaction, and once: 32 MB take ~50 ms, which the run's row lock need not wait for.
     digest = content_hash(raw)
@@ -45,9 +55,16 @@ def _commit_rollouts(
         replay = replay_of(session, run.id, payload.idempotency_key, payload.step, raw, digest)
         if replay is not None:
             return replay, extraction, None
+        scheduled = is_scheduled(payload.step, run.score_every)
         check_scoring_cost(payload, run, settings)
         check_token_ids(payload, session.get(ScorerLimits, run.scorer))
-        check_queues(session, run, settings)
+        if scheduled:  # a step off the schedule never waits in the queue
+            check_queues(session, run, settings)
+        snapshot = RunSnapshot.of(run)
+        # Before the run's row lock (segment_for): pure work on the payload, which other ingests need not wait for.
+        started = time.perf_counter()
+        figures = None if scheduled else batch_figures(payload, snapshot)
+        seconds = time.perf_counter() - started
         checkpoint = queries.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
         batch = new_batch(
             run.id,
@@ -67,5 +84,12 @@ def _commit_rollouts(
             session.rollback()
             replayed = replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw, digest)
             return replayed, extraction, None
-        lag = run_pace(session, run.id).warning(run.name)
-    return accepted_answer(batch), extraction, lag
+        accepted = accepted_answer(batch)
+        if figures is not None:
+            figures.checkpoint = checkpoint.path if checkpoint else None
+            finish_done(session, snapshot, batch.id, None, figures, seconds, settings)
+            accepted = accepted.model_copy(update={"status": "done"})
+        # A run with nothing queued has at most one batch being scored, short of a backlog (pace.BACKLOG): a step
+        # finished here skips the pace's reads of the run's history.
+        lag = run_pace(session, run.id).warning(run.name) if scheduled or queries.queue_depth(session, run.id) else None
+    return accepted, extraction, lag

@@ -5,6 +5,8 @@ Replays are answered as the first time. Must not import fastapi or torch.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -15,7 +17,7 @@ from service.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
 from service.ingest.limits import check_size
 from service.ingest.runs import require_run, segment_for
-from service.jobs.recording import ALL, ScoredBatch, load_emas, record_step
+from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
 from service.schemas import BatchResult, InputError, MatrixAccepted, MatrixBatchIn
 from service.settings import Settings
@@ -64,7 +66,9 @@ def ingest_matrix(
     if replay is not None:
         return replay
     for _ in range(MATRIX_ATTEMPTS):
+        started = time.perf_counter()
         scored = score_matrix(payload, ema, run.filter)
+        seconds = time.perf_counter() - started
         with sessions.begin() as session:
             if require_run(session, run_name).id != run.id:  # 404 if it was deleted while the matrix was scored
                 raise NotFound(
@@ -85,10 +89,7 @@ def ingest_matrix(
                     "matrix",
                     raw,
                     digest,
-                    status="done",
-                    result=scored.result.model_dump(mode="json"),
-                    scoring_seconds=0.0,
-                    tokens_scored=0,
+                    status="queued",  # finished below, in this transaction: no worker ever sees it
                 )
                 session.add(batch)
                 try:
@@ -97,8 +98,9 @@ def ingest_matrix(
                     session.rollback()
                     replay = _matrix_replay_after_race(sessions, run.id, payload, raw, digest)
                 else:
-                    record_step(session, run, batch, scored, settings)
-                    return MatrixAccepted(**accepted_answer(batch).model_dump(), results=scored.result)
+                    finish_done(session, run, batch.id, None, scored, seconds, settings)
+                    answer = accepted_answer(batch).model_copy(update={"status": "done"})
+                    return MatrixAccepted(**answer.model_dump(), results=scored.result)
         if replay is not None:
             return replay
         ema = current

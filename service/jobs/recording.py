@@ -1,9 +1,17 @@
-"""A scored step in storage: what it writes (``ScoredBatch``) and writing it; the EMA states it starts from.
+"""A finished step in storage: what it writes (``ScoredBatch``), finishing a batch with it; the EMA states it
+starts from.
 
-Rollout batches (scored by a worker) and matrix batches (scored at ingest) write the same things
-in the caller's transaction: metric points, the latest values, EMA states, the cross-scoring
-matrices (for the web page's heatmap), and the alert state
-the new figures lead to. Must not import fastapi or torch.
+The one way a batch is finished (``finish_done``, ``finish_failed``), whoever finishes it: the
+worker for a scheduled rollouts batch, ingest for a matrix (scored in the request) and for a
+rollouts step off the schedule (its figures computed in the request, ``batch_figures``). Each
+writes, in the caller's transaction, the batch's status and results, metric points, the latest
+values, EMA states, the cross-scoring matrices (for the web page's heatmap), and the alert state
+the new figures lead to.
+
+Alerts are evaluated in step order: the rules' checkpoint resumes from the last evaluated step, so
+a step recorded while an earlier step of its run still waits for the worker (an off-schedule step
+behind a scheduled one) leaves its points to that earlier step's finish, which evaluates through
+them. Must not import fastapi or torch.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from scoring.estimators import Diagnostics, EmaState
@@ -22,7 +31,7 @@ from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.matrices import MatrixRecord, save_matrices
 from service.storage.queries import Point
-from service.storage.tables import Batch
+from service.storage.tables import Batch, MetricPoint, Run
 
 ALL = "all"  # the sampler label of batch-level figures (rewards, coverage)
 
@@ -97,8 +106,61 @@ def load_emas(session: Session, run_id: int, samplers: Iterable[str]) -> dict[st
     return emas
 
 
+def finish_done(
+    session: Session,
+    run: RunSnapshot,
+    batch_id: str,
+    owner: str | None,
+    scored: ScoredBatch,
+    seconds: float,
+    settings: Settings,
+) -> bool:
+    """Marks a batch done with its results and writes what it scored (``record_step``), only while ``owner``
+    holds it (None: a batch no worker holds, such as the row ingest has just added in this transaction).
+
+    False when another worker holds the batch now: the caller must roll back."""
+    finished = queries.finish_batch(
+        session,
+        batch_id,
+        owner,
+        status="done",
+        result=scored.result.model_dump(mode="json"),
+        scoring_seconds=seconds,
+        tokens_scored=scored.tokens,
+        scorer=scored.scorer,
+        checkpoint=scored.checkpoint,
+    )
+    if finished:
+        record_step(session, run, session.get_one(Batch, batch_id), scored, settings)
+    return finished
+
+
+def finish_failed(session: Session, batch_id: str, owner: str | None, reason: str, settings: Settings) -> bool:
+    """Marks a batch failed with ``reason``, only while ``owner`` holds it; False when another worker does.
+
+    Later steps of its run recorded meanwhile (off the schedule) left their alerts to this batch's
+    finish: they are evaluated now."""
+    if not queries.finish_batch(session, batch_id, owner, status="failed", error=reason):
+        return False
+    batch = session.get_one(Batch, batch_id)
+    run = RunSnapshot.of(session.get_one(Run, batch.run_id))
+    if not run.alerts.enabled:
+        return True
+    _lock_checkpoints(session, run, _in_step_order(run, [*run.samplers, ALL]))
+    later = session.scalars(
+        select(MetricPoint.sampler)
+        .where(MetricPoint.run_id == run.id, MetricPoint.segment == batch.segment, MetricPoint.step > batch.step)
+        .distinct()
+    ).all()
+    waiting = _first_waiting_step(session, batch)
+    if later and (waiting is None or waiting > batch.step):
+        update_alerts(session, run, batch.step, sorted(later), settings, segment=batch.segment, before=waiting)
+    return True
+
+
 def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: ScoredBatch, settings: Settings) -> None:
-    """Writes a scored batch's points, EMA states and matrices, then re-evaluates the alerts they touch."""
+    """Writes a scored batch's points, EMA states and matrices, then re-evaluates the alerts they touch
+    (left to an earlier step of the run that still waits, which evaluates through them when it finishes)."""
     queries.record_points(
         session, run.id, batch.id, batch.step, batch.segment, scored.points, scored.scorer, scored.checkpoint
     )
@@ -107,5 +169,45 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
         queries.save_ema(session, run.id, sampler, step, ema)
     save_matrices(session, run.id, batch.id, step, scored.matrices)
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
+    if not run.alerts.enabled:
+        return
     lost = {name: result.lost_group_ids for name, result in (scored.result.samplers or {}).items() if result.metrics}
-    update_alerts(session, run, step, samplers, settings, lost, batch.segment)
+    ordered = _in_step_order(run, samplers)
+    if others := [sampler for sampler in samplers if sampler not in ordered]:  # a matrix's own sampler
+        update_alerts(session, run, step, others, settings, lost, batch.segment)
+    if not ordered:
+        return
+    _lock_checkpoints(session, run, ordered)
+    waiting = _first_waiting_step(session, batch)
+    if waiting is None or waiting > step:
+        update_alerts(session, run, step, ordered, settings, lost, batch.segment, before=waiting)
+
+
+def _in_step_order(run: RunSnapshot, samplers: Iterable[str]) -> list[str]:
+    """The samplers a waiting batch may still write (a rollouts batch: ``all`` and the run's samplers), whose
+    alerts must therefore see the steps in order; a matrix under a sampler name of its own has none."""
+    return [sampler for sampler in samplers if sampler == ALL or sampler in run.samplers]
+
+
+def _lock_checkpoints(session: Session, run: RunSnapshot, samplers: Iterable[str]) -> None:
+    """Locks the (run, sampler)s' alert checkpoints (Postgres; on SQLite the one writer orders finishes
+    already) before ``_first_waiting_step`` looks, as the evaluation of an earlier step's finish does: so
+    either that finish came first and is seen done, or it waits here and then reads this step's points.
+    Sorted, whoever locks them, so that two finishes never wait on each other."""
+    if session.get_bind().dialect.name != "postgresql":
+        return
+    for sampler in sorted(set(samplers)):
+        queries.lock_alert_checkpoint(session, run.id, sampler)
+
+
+def _first_waiting_step(session: Session, batch: Batch) -> int | None:
+    """The first step of the batch's run, in its segment, still queued or being scored (read under
+    ``_lock_checkpoints``): the rules read only the steps before it, and none of a batch after it."""
+    waiting = select(func.min(Batch.step)).where(
+        Batch.run_id == batch.run_id,
+        Batch.status.in_(("queued", "scoring")),
+        Batch.segment == batch.segment,
+        Batch.id != batch.id,
+    )
+    step = session.scalar(waiting)
+    return int(step) if step is not None else None

@@ -1,15 +1,43 @@
-"""Reward/SNR figures of a batch's reward groups and what the run's SNR-aware filter would keep.
+"""Reward/SNR figures of a batch's reward groups and what the run's SNR-aware filter would keep; the
+figures every rollouts batch gets, scheduled or not (``batch_figures``).
 
 Shared by rollouts batches and trainer-computed matrices that carry rewards; torch-free, so the
-API process can compute them. Must not import fastapi or touch the database.
+API process can compute them (a step off the schedule is finished at ingest with nothing else).
+Must not import fastapi or touch the database.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from scoring.samplers import coverage
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
-from service.schemas import BatchIn, RewardResult
+from service.jobs.reasoning import reasoning_summary
+from service.jobs.recording import ALL, ScoredBatch
+from service.schemas import BatchIn, BatchResult, RewardResult
+from service.snapshot import RunSnapshot, is_scheduled
+from service.storage.queries import Point
+
+
+def batch_figures(payload: BatchIn, run: RunSnapshot) -> ScoredBatch:
+    """What a rollouts batch writes before any cross-scoring: reward/SNR and reasoning-coverage figures and
+    the reasoning summary, under the ``all`` sampler; on a step off the run's schedule, all it writes."""
+    rewards, figures = reward_figures(payload, run.filter)
+    summary, presence = reasoning_summary(payload, run.reasoning_extraction)
+    figures.update(coverage(presence))
+    figures["truncated_think_ratio"] = summary.truncated_think / summary.turns
+    figures["whole_response_turn_ratio"] = summary.whole_response / summary.turns
+    scheduled = is_scheduled(payload.step, run.score_every)
+    return ScoredBatch(
+        result=BatchResult(
+            scored=False,
+            samplers={} if scheduled else None,
+            reasoning=summary,
+            rewards=rewards,
+            figures=figures,
+        ),
+        points=[Point(ALL, name, value) for name, value in figures.items()],
+    )
 
 
 def reward_figures(payload: BatchIn, filter_settings: dict[str, object]) -> tuple[RewardResult, dict[str, float]]:

@@ -33,7 +33,7 @@ from scoring.estimators import EmaState
 from scoring.scorer import Scorer
 from service.errors import MonitorError
 from service.jobs.interrupts import BatchDeleted, LeaseLost, ShuttingDown, TimeLimit, checked
-from service.jobs.recording import ScoredBatch, load_emas, record_step
+from service.jobs.recording import ScoredBatch, finish_done, finish_failed, load_emas
 from service.jobs.rollouts import score_rollouts
 from service.jobs.scorers import ScorerPool
 from service.loops import lease_owner, poll, retry_through_outage, worker_identity
@@ -281,26 +281,14 @@ class Worker:
 
     def _finish_done(self, claimed: Claimed, scored: ScoredBatch, seconds: float) -> None:
         with self.sessions.begin() as session:
-            finished = queries.finish_batch(
-                session,
-                claimed.batch_id,
-                self.owner,
-                status="done",
-                result=scored.result.model_dump(mode="json"),
-                scoring_seconds=seconds,
-                tokens_scored=scored.tokens,
-                scorer=scored.scorer,
-                checkpoint=scored.checkpoint,
-            )
-            if not finished:
+            if not finish_done(session, claimed.run, claimed.batch_id, self.owner, scored, seconds, self.settings):
                 # Another worker holds the batch now (our lease ran out); its results will count.
                 log.warning("worker %s: batch %s was taken over; discarding its results", self.owner, claimed.batch_id)
                 session.rollback()
                 return
-            record_step(session, claimed.run, session.get_one(Batch, claimed.batch_id), scored, self.settings)
         log.info("worker %s scored batch %s in %.2fs", self.owner, claimed.batch_id, seconds)
 
     def _finish_failed(self, batch_id: str, reason: str) -> None:
         with self.sessions.begin() as session:
-            queries.finish_batch(session, batch_id, self.owner, status="failed", error=reason)
+            finish_failed(session, batch_id, self.owner, reason, self.settings)
         log.warning("worker %s: batch %s failed: %s", self.owner, batch_id, reason)

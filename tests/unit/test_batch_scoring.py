@@ -98,3 +98,31 @@ def test_the_run_filter_settings_decide_what_would_be_kept():
     assert result.selected_group_ids == [0]
     assert figures["rollout/filter_kept_ratio"] == pytest.approx(1 / 3)
     assert result.filter == top_k
+
+
+def test_the_figures_ingest_writes_for_an_off_schedule_step_are_the_workers():
+    from service.jobs.reward_figures import batch_figures
+    from service.jobs.rollouts import score_rollouts
+    from service.settings import Settings
+    from service.snapshot import RunSnapshot
+
+    payload = batch({0: [1.0, 0.0], 1: [0.5, None]}).model_copy(update={"step": 2})
+    run = RunSnapshot.model_validate(
+        {
+            "id": 1,
+            "name": "r",
+            "scorer": "tiny-random",
+            "scorer_mode": "reference",
+            "score_every": 3,
+            "samplers": ("first_turn",),
+            "num_samples": None,
+            "seed": 0,
+            "temperature": 1.0,
+            "filter": FilterSettings().model_dump(),
+            "alerts": {},
+        }
+    )
+    ours = batch_figures(payload, run)
+    workers = score_rollouts(payload, run, {}, lambda: pytest.fail("no scorer is needed"), Settings(_env_file=None))
+    assert ours.points == workers.points
+    assert ours.result == workers.result
