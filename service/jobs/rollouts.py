@@ -14,15 +14,15 @@ from scoring.budget import Plan, subset
 from scoring.cross_scores import score_batch
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction, turn_token_ids
-from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, coverage, sample_rows
+from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, sample_rows
 from scoring.scorer import Scorer
 from scoring.window import sequence_limit
 from service.errors import InvalidRequest
 from service.jobs.budget import Budget, ScoringRates
-from service.jobs.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
-from service.jobs.recording import ALL, ScoredBatch
-from service.jobs.reward_figures import reward_figures
-from service.schemas import BatchIn, BatchResult
+from service.jobs.reasoning import group_extractions, reasoning_excerpts
+from service.jobs.recording import ScoredBatch
+from service.jobs.reward_figures import batch_figures
+from service.schemas import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled, step_budget
 from service.storage.matrices import MatrixRecord
@@ -47,22 +47,8 @@ def score_rollouts(
     A scheduled step counts as scored only when some sampler produced metrics: a batch whose
     turns carry no reasoning says so in ``skipped_reason`` instead.
     """
-    rewards, figures = reward_figures(payload, run.filter)
-    summary, presence = reasoning_summary(payload, run.reasoning_extraction)
-    figures.update(coverage(presence))
-    figures["truncated_think_ratio"] = summary.truncated_think / summary.turns
-    figures["whole_response_turn_ratio"] = summary.whole_response / summary.turns
+    scored = batch_figures(payload, run)
     scheduled = is_scheduled(payload.step, run.score_every)
-    scored = ScoredBatch(
-        result=BatchResult(
-            scored=False,
-            samplers={} if scheduled else None,
-            reasoning=summary,
-            rewards=rewards,
-            figures=figures,
-        ),
-        points=[Point(ALL, name, value) for name, value in figures.items()],
-    )
     if not scheduled:
         return scored
     scorer = get_scorer()
