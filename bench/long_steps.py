@@ -3,6 +3,7 @@ tokens, posted to ``collapse-monitor serve`` (SmolLM2-135M, float32, SQLite), ea
 
     python bench/long_steps.py                       # the default window (max_reasoning_tokens 512)
     python bench/long_steps.py --tokens 1500 --window 0   # whole reasonings (0: no window)
+    python bench/long_steps.py --budget 0                 # no per-step scoring budget (the default is 60 s)
 
 Before windows (issue 19): ~1.5k tokens took 255 s, ~5k failed at max_scoring_seconds=600, ~12k failed at once
 (past the scorer's 8,192-token context). The reasoning is real SmolLM2 text: each prompt's healthy traces
@@ -49,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1500, 5000, 12000])
     parser.add_argument("--window", type=int, default=None, help="max_reasoning_tokens (default: the service's)")
+    parser.add_argument("--budget", type=float, default=None, help="scoring_budget_seconds (default: the service's)")
     parser.add_argument("--timeout", type=float, default=900)
     args = parser.parse_args()
     with gzip.open(CORPUS) as corpus:
@@ -56,6 +58,8 @@ def main() -> None:
     settings = {"EMBEDDED_WORKER": "true", "MAX_SCORING_SECONDS": "600"}
     if args.window is not None:
         settings["MAX_REASONING_TOKENS"] = str(args.window)
+    if args.budget is not None:
+        settings["SCORING_BUDGET_SECONDS"] = str(args.budget)
     steps = []
     with tempfile.TemporaryDirectory() as folder:
         settings |= {"DATABASE_URL": f"sqlite:///{folder}/bench.db", "DATA_DIR": folder}
@@ -84,12 +88,13 @@ def main() -> None:
                         "tokens_scored": status.get("tokens_scored"),
                         "error": status.get("error"),
                         "window": sampler.get("window"),
+                        "plan": sampler.get("plan"),
                         "mi_estimate": sampler.get("metrics", {}).get("mi_estimate"),
                         "retrieval_accuracy": sampler.get("metrics", {}).get("retrieval_accuracy"),
                     }
                 )
                 print(json.dumps(steps[-1]), flush=True)
-    print(json.dumps({"window_setting": args.window, "steps": steps}, indent=2))
+    print(json.dumps({"window_setting": args.window, "budget_setting": args.budget, "steps": steps}, indent=2))
 
 
 if __name__ == "__main__":
