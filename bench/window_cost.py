@@ -23,19 +23,23 @@ This measures what that costs on long SmolLM2 traces, in two stages:
                and wall seconds (after a warm-up); per window, bfloat16 against float32 (|dL_tok|,
                best-column flips).
 
-    nice -n 10 python bench/window_cost.py generate            # ~15 min on one busy core
-    nice -n 10 python bench/window_cost.py score > bench/results/window_cost.json   # ~35 min
+    nice -n 10 python bench/window_cost.py generate       # 12 traces: 738 s on one busy core
+    nice -n 10 python bench/window_cost.py score > bench/corpus/window_cost.json   # ~800 CPU s
 
+Run from the repository root. ``--windows`` splits the score stage over processes (each scores both
+dtypes at its windows); the committed figures came from three such runs at once (docs/benchmarks.md).
 One torch thread by default: on a shared 2-core machine a thread pool spins against other processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +56,8 @@ from scoring.partition import THINK_CLOSE, clean_reasoning
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS, fit_window, sequence_limit
 
 CACHE = Path("~/.cache/collapse-monitor").expanduser()
-TRACES = Path(__file__).parent / "corpus" / "long_traces.json.gz"
-WINDOWS = "64,128,256,512,full"
+TRACES = Path("bench/corpus/long_traces.json.gz")
+WINDOWS = "full,512,256,128,64"
 
 
 def log(message: str) -> None:
@@ -183,27 +187,32 @@ def stage_score(args: argparse.Namespace) -> None:
     dtypes = args.dtypes.split(",")
     windows = parse_windows(args.windows)
     config = {d: ScoringConfig(model=args.model, device="cpu", dtype=d) for d in dtypes}
-    scorer = load_scorer(config[dtypes[0]], CACHE)
-    whole = batches(scorer, traces)
-    limit = sequence_limit(scorer.max_positions, config[dtypes[0]].max_batch_tokens)
+    base = load_scorer(config[dtypes[0]], CACHE)
+    # One model per dtype: casting one model back and forth would round the float32 weights.
+    scorers = {d: replace(base, model=copy.deepcopy(base.model).to(dtype=getattr(torch, d))) for d in dtypes}
+    whole = batches(base, traces)
+    limit = sequence_limit(base.max_positions, config[dtypes[0]].max_batch_tokens)
     warmup = ScoringBatch.from_rows([whole["healthy"].prompts[0]], [whole["healthy"].reasonings[0][:16]], [0])
-    results: list[dict[str, Any]] = []
-    L: dict[tuple[str, str, int | None], np.ndarray] = {}
     for dtype in dtypes:
-        scorer.model.to(dtype=getattr(torch, dtype))
-        score_batch(scorer, warmup, config[dtype])
-        for window in windows:
+        score_batch(scorers[dtype], warmup, config[dtype])
+    results: list[dict[str, Any]] = []
+    bf16_vs_fp32: list[dict[str, Any]] = []
+    # Window outermost, both dtypes in turn: a run stopped early has logged (stderr) its windows whole.
+    for window in windows:
+        L: dict[str, np.ndarray] = {}
+        for dtype in dtypes:
             record: dict[str, Any] = {"dtype": dtype, "max_reasoning_tokens": window or "full"}
             seconds = {"cpu": 0.0, "wall": 0.0}
             tokens = 0
+            parts = []
             for kind, batch in whole.items():
                 windowed, cut = fit_window(batch, window, limit)
                 cpu, wall = time.process_time(), time.perf_counter()
-                scores = score_batch(scorer, windowed, config[dtype])
+                scores = score_batch(scorers[dtype], windowed, config[dtype])
                 seconds["cpu"] += time.process_time() - cpu
                 seconds["wall"] += time.perf_counter() - wall
                 tokens += scores.tokens_processed
-                L[dtype, kind, window] = scores.L_seq
+                parts.append(scores.L_tok)
                 # diagnostics() passes no column prompts: none is cut here, so no column merges.
                 assert cut.merged_columns == 0, cut
                 record[kind] = {
@@ -211,6 +220,7 @@ def stage_score(args: argparse.Namespace) -> None:
                     "reasoning_tokens_mean": float(scores.reasoning_lengths.mean()),
                     "truncated_reasoning_ratio": cut.truncated_reasoning_ratio,
                 }
+            L[dtype] = np.concatenate(parts)  # [rows of both batches, task prompts] nats per token
             h, t = record["healthy"], record["template"]
             record["gap"] = {k: h[k] - t[k] for k in ("mi_estimate", "retrieval_accuracy", "retrieval_above_chance")}
             record["tokens_processed"] = tokens
@@ -218,14 +228,9 @@ def stage_score(args: argparse.Namespace) -> None:
             record["kernel_wall_seconds"] = round(seconds["wall"], 2)
             log(json.dumps(record))
             results.append(record)
-    bf16_vs_fp32 = []
-    if set(DTYPES) <= set(dtypes):
-        for window in windows:
-            lengths = np.concatenate(
-                [np.minimum([len(z) for z in b.reasonings], window or 10**9) for b in whole.values()]
-            )
-            a, b = (np.concatenate([L[d, k, window] for k in whole]) for d in DTYPES)
-            d_tok = np.abs(b - a) / lengths[:, None]
+        if set(DTYPES) <= set(L):
+            a, b = (L[d] for d in DTYPES)
+            d_tok = np.abs(b - a)
             bf16_vs_fp32.append(
                 {
                     "max_reasoning_tokens": window or "full",
@@ -233,6 +238,7 @@ def stage_score(args: argparse.Namespace) -> None:
                     "top1_flips": int((a.argmax(1) != b.argmax(1)).sum()),
                 }
             )
+            log(json.dumps(bf16_vs_fp32[-1]))
     lengths = [t["reasoning_tokens"] for t in traces["traces"]]
     report = {
         "command": "bench/window_cost.py score",
