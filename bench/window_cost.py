@@ -27,7 +27,7 @@ This measures what that costs on long SmolLM2 traces, in two stages:
     nice -n 10 python bench/window_cost.py score > bench/corpus/window_cost.json   # ~800 CPU s
 
 Run from the repository root. ``--windows`` splits the score stage over processes (each scores both
-dtypes at its windows); the committed figures came from three such runs at once (docs/benchmarks.md).
+dtypes at its windows); the metrics do not depend on the split.
 One torch thread by default: on a shared 2-core machine a thread pool spins against other processes.
 """
 
