@@ -228,7 +228,7 @@ def stage_templates(scorer: Scorer, args: argparse.Namespace) -> None:
         for t in texts
     ]
     for t in traces:
-        t["token_ids"] = list(scorer.encode(t["text"]))
+        t["token_ids"] = list(scorer.encode(str(t["text"])))
     write(args.work / "traces.json", {**pilot, "columns": columns, "traces": traces})
 
 
@@ -382,8 +382,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.stage in ("demo", "merge"):  # no model needed
-        STAGES[args.stage](None, args)
+    if args.stage == "demo":  # no model needed
+        stage_demo(None, args)
+        return
+    if args.stage == "merge":
+        stage_merge(None, args)
         return
     scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
     STAGES[args.stage](scorer, args)
