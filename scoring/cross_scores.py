@@ -100,7 +100,21 @@ def score_batch(
 def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log_softmax(logits / temperature) over the last dim, in at least float32 (nats)."""
     # Half-precision logits are upcast: a log-softmax over ~50k entries in bf16 loses digits.
-    return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    # x / 1.0 == x exactly: the usual temperature skips a pass over [rows, V].
+    return torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
+
+
+# At most this many bytes of float32 logits per vocabulary chunk. glibc's malloc hands out a block
+# over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free, so a larger chunk
+# is page-faulted and zeroed by the kernel again at every chunk: on SmolLM2 (V = 49,152) 512-row
+# chunks spent 13-19% of the CPU seconds of long-reasoning --quick in the kernel's page faults.
+LOGITS_CHUNK_BYTES = 24 * 2**20
+
+
+def logits_chunk_rows(chunk_tokens: int, vocab: int) -> int:
+    """Rows projected onto the vocabulary at a time: ``chunk_tokens``, fewer for a large vocabulary."""
+    return max(1, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * vocab)))
 
 
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
@@ -157,7 +171,7 @@ def token_logprobs(
         targets: [M] token ids to score.
         want_entropy: [M] bool, where to compute the entropy of the full distribution.
         temperature: logits are divided by it.
-        chunk_tokens: rows projected onto the vocabulary at a time.
+        chunk_tokens: rows projected onto the vocabulary at a time (``logits_chunk_rows``).
         check: called before each chunk; an exception it raises abandons the work.
 
     Returns:
@@ -192,6 +206,7 @@ class _Run:
     ) -> None:
         self.base = scorer.model.base_model
         self.head = vocabulary_projection(scorer.model.get_output_embeddings())
+        self.chunk_rows = logits_chunk_rows(config.logits_chunk_tokens, scorer.vocab_size)
         self.device = scorer.device
         self.config = config
         self.reasonings = reasonings
@@ -305,7 +320,7 @@ class _Run:
         if not rows.size:
             return
         first = torch.tensor([self.reasonings[r][0] for r in rows], device=self.device)
-        chunk = self.config.logits_chunk_tokens
+        chunk = self.chunk_rows
         for start in range(0, len(prompt_ids), chunk):
             lp = scaled_log_softmax(self.head(last_hidden[start : start + chunk]), self.config.temperature)
             logp = lp[:, first].double().cpu().numpy()  # [chunk, rows]
@@ -330,7 +345,7 @@ class _Run:
             targets,
             matched.repeat_interleave(lengths).to(self.device),
             self.config.temperature,
-            self.config.logits_chunk_tokens,
+            self.chunk_rows,
             self.check,
         )
         per_position = torch.zeros(valid.shape, dtype=torch.float64, device=self.device)

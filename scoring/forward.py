@@ -26,6 +26,7 @@ from scoring import cascade
 from scoring.cascade import CascadePlan
 
 FAMILIES = ("llama", "qwen2")
+MLP_CHUNK_BYTES = 24 * 2**20  # one [rows, intermediate] activation (see cross_scores.LOGITS_CHUNK_BYTES)
 
 
 def supports(model: Any) -> bool:
@@ -72,7 +73,14 @@ def packed_forward(
         hidden += attn.o_proj(out[valid].view(-1, heads * dim))
         x = _rms_norm(hidden, layer.post_attention_layernorm)
         mlp = layer.mlp
-        hidden += mlp.down_proj(F.silu(mlp.gate_proj(x), inplace=True).mul_(mlp.up_proj(x)))
+        # Token by token, so in chunks whose [rows, intermediate] activations stay under glibc's
+        # mmap threshold: a larger block is mapped afresh and page-faulted at every layer.
+        rows = max(1, MLP_CHUNK_BYTES // (mlp.gate_proj.out_features * x.element_size()))
+        for start in range(0, x.shape[0], rows):
+            part = x[start : start + rows]
+            hidden[start : start + rows] += mlp.down_proj(
+                F.silu(mlp.gate_proj(part), inplace=True).mul_(mlp.up_proj(part))
+            )
     return _rms_norm(hidden, base.norm)
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, score_batch, score_batch_naive
+from scoring.cross_scores import LOGITS_CHUNK_BYTES, logits_chunk_rows
 from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 
@@ -288,3 +289,12 @@ def test_the_packed_flex_attention_path_matches_the_reference(family, shape, bud
     config = ScoringConfig(max_batch_tokens=budget, attention="packed")
     fast = score_batch(scorer, batch, config)
     assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=4), 1e-10)
+
+
+def test_vocabulary_chunks_keep_their_logits_under_the_byte_bound():
+    assert logits_chunk_rows(512, 49_152) == 128  # SmolLM2: 24 MiB of float32 logits
+    assert logits_chunk_rows(512, 151_936) == 41  # Qwen2.5
+    assert logits_chunk_rows(7, 49_152) == 7  # a smaller setting is kept
+    assert logits_chunk_rows(512, 10**9) == 1  # never zero rows
+    for vocab in (512, 49_152, 151_936):
+        assert logits_chunk_rows(10**6, vocab) * 4 * vocab <= LOGITS_CHUNK_BYTES

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from scoring import ScoringConfig, score_batch, score_batch_naive
+from scoring import ScoringConfig, forward, score_batch, score_batch_naive
 from scoring.cascade import CascadePlan, install
 from scoring.forward import packed_forward, supports
 from tests.conftest import VOCAB, random_batch, tiny_scorer
@@ -18,9 +18,13 @@ def test_llama_and_qwen2_run_the_own_forward_and_gpt2_does_not():
     assert not supports(tiny_scorer("gpt2").model)
 
 
+@pytest.mark.parametrize("mlp_chunk_rows", [None, 3])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_packed_hidden_states_equal_the_padded_transformers_forward(family):
+def test_packed_hidden_states_equal_the_padded_transformers_forward(family, mlp_chunk_rows, monkeypatch):
     scorer = tiny_scorer(family, torch.float64)
+    if mlp_chunk_rows is not None:  # the MLP in chunks of 3 tokens, as a large model's long forward runs
+        intermediate = scorer.model.config.intermediate_size
+        monkeypatch.setattr(forward, "MLP_CHUNK_BYTES", mlp_chunk_rows * intermediate * 8)
     install(scorer.model)
     rng = np.random.default_rng(0)
     lengths = [7, 1, 4, 7, 2]
