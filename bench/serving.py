@@ -1,6 +1,6 @@
 """The one harness for real ``collapse-monitor serve`` processes, shared by bench/, tests/ and client/tests.
 
-A free loopback port, waiting until something holds (``/readyz`` above all), the service's
+A free loopback port, waiting until something holds (``/readyz`` above all, an alert in Alertmanager), the service's
 environment, a throwaway database, the server's peak memory from /proc, percentiles. Benchmarks
 import it as ``serving`` (``python bench/x.py`` puts bench/ first on the path), the tests as
 ``bench.serving``.
@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 import numpy as np
@@ -54,6 +54,18 @@ def wait_until(
             pass
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def alertmanager_alerts(url: str, timeout: float, **params: str) -> list[dict[str, Any]]:
+    """The alerts the Alertmanager at ``url`` holds (``params``: its query, e.g. ``filter``), once it holds any."""
+    received: list[dict[str, Any]] = []
+
+    def arrived() -> bool:
+        received[:] = httpx.get(f"{url}/api/v2/alerts", params=params).json()
+        return bool(received)
+
+    wait_until(arrived, timeout, "the alert to reach Alertmanager")
+    return received
 
 
 def wait_ready(base: str, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:

@@ -21,10 +21,11 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from scoring.estimators import ColumnBreakdown, Diagnostics, EstimatorConfig, per_token
 from scoring.partition import Extraction
-from scoring.snr_filter import FilterConfig
+from scoring.snr_filter import FilterConfig, FilterResult
 from scoring.window import WindowCut
 from service.storage.times import iso_time
 
@@ -284,13 +285,11 @@ class FilterRequest(FilterSettings):
     )
 
 
-class FilterResponse(_Strict):
-    selected_groups: list[int]
-    kept_row_indices: list[int]
-    group_reward_std: list[float]
-    metrics: dict[str, float]
-    single_sample_groups: list[int]
-    warnings: list[str]
+# The filter's answer is scoring's FilterResult itself: its fields are declared there once, and this
+# subclass only gives the wire its name (the OpenAPI schema FilterResponse) and _Strict's config.
+@pydantic_dataclass(frozen=True, config=_Strict.model_config)
+class FilterResponse(FilterResult):
+    pass
 
 
 class TurnIn(_Strict):

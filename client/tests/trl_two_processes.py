@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tiny_trainer import FIRE_AT_ONCE, paced_trainer
-from trl import GRPOConfig
+from tiny_trainer import FIRE_AT_ONCE, grpo_config, paced_trainer
 
 from collapse_monitor import Monitor
 from collapse_monitor.integrations.trl import attach
@@ -20,18 +19,13 @@ from collapse_monitor.integrations.trl import attach
 
 def main() -> None:
     # per process: 2 rows per micro-step, 2 micro-steps per generation -> 8 rows, 2 groups of 4, per step
-    args = GRPOConfig(
-        output_dir=os.environ["OUT"],
+    args = grpo_config(
+        os.environ["OUT"],
         per_device_train_batch_size=2,
         gradient_accumulation_steps=2,
-        num_generations=4,
         max_completion_length=6,
         max_steps=6,
-        report_to="none",
-        bf16=False,
-        use_cpu=True,
         save_strategy="no",  # the only checkpoint is the one the pending alert asks for
-        seed=0,
     )
     prompts = [[{"role": "user", "content": f"Room {i}: which door leads out?"}] for i in range(16)]
     monitor = Monitor(

@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from scoring.config import ScoringConfig
 from service.cli.flags import UsageError, format_validation_error
@@ -90,7 +90,8 @@ def run_filter(args: argparse.Namespace) -> Any:
     from scoring.snr_filter import filter_groups
 
     request = _validate(FilterRequest, _parse_json(_read(args.input)))
-    return FilterResponse(**vars(filter_groups(request.rewards, request.filter_config()))).model_dump(mode="json")
+    response = FilterResponse(**vars(filter_groups(request.rewards, request.filter_config())))
+    return TypeAdapter(FilterResponse).dump_python(response, mode="json")
 
 
 def run_score(args: argparse.Namespace) -> Any:

@@ -6,31 +6,36 @@ const POLL_SECONDS = 3;
 const ALERTS_EVERY_POLLS = 10; // notifications change state without new steps (retries, deliveries)
 const ALL = "all"; // the sampler label of batch-level figures (rewards, coverage)
 
+// An estimate with its 95% interval (the service's `<name>_ci_high` and `<name>_ci_low` series): the bounds
+// drawn thin in the estimate's colour and the band between them shaded, then any other series of the chart.
+function withInterval(name, label, [r, g, b], ...others) {
+  const faint = `rgba(${r},${g},${b},0.35)`;
+  const bound = (side) => ({ name: `${name}_ci_${side}`, label: `95% ${side}`, color: faint, width: 1 });
+  return {
+    series: [{ name, label, color: `rgb(${r},${g},${b})` }, bound("high"), bound("low"), ...others],
+    band: [`${name}_ci_high`, `${name}_ci_low`],
+    bandFill: `rgba(${r},${g},${b},0.14)`,
+  };
+}
+
 // One chart per concept. `sampler: ALL` marks batch-level figures; the rest follow the switch.
 const CHARTS = [
   {
     id: "mi",
     title: "Mutual information I(X;Z), 95% interval",
     unit: "nats / token",
-    series: [
-      { name: "mi_estimate", label: "MI estimate", color: "#0969da" },
-      { name: "mi_estimate_ci_high", label: "95% high", color: "rgba(9,105,218,0.35)", width: 1 },
-      { name: "mi_estimate_ci_low", label: "95% low", color: "rgba(9,105,218,0.35)", width: 1 },
-    ],
-    band: ["mi_estimate_ci_high", "mi_estimate_ci_low"],
+    ...withInterval("mi_estimate", "MI estimate", [9, 105, 218]),
   },
   {
     id: "retrieval",
     title: "Retrieval accuracy vs chance",
     unit: "share of rows",
-    series: [
-      { name: "retrieval_accuracy", label: "retrieval accuracy", color: "#8250df" },
-      { name: "retrieval_accuracy_ci_high", label: "95% high", color: "rgba(130,80,223,0.35)", width: 1 },
-      { name: "retrieval_accuracy_ci_low", label: "95% low", color: "rgba(130,80,223,0.35)", width: 1 },
-      { name: "retrieval_chance_level", label: "chance", color: "#6e7781", dash: [6, 4] },
-    ],
-    band: ["retrieval_accuracy_ci_high", "retrieval_accuracy_ci_low"],
-    bandFill: "rgba(130,80,223,0.14)",
+    ...withInterval("retrieval_accuracy", "retrieval accuracy", [130, 80, 223], {
+      name: "retrieval_chance_level",
+      label: "chance",
+      color: "#6e7781",
+      dash: [6, 4],
+    }),
   },
   {
     id: "entropy",

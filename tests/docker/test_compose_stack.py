@@ -18,7 +18,7 @@ import httpx
 import psycopg
 import pytest
 
-from bench.serving import free_port, wait_until
+from bench.serving import alertmanager_alerts, free_port, wait_until
 from tests.docker.conftest import ROOT, Engine, Images
 from tests.fixtures import dependence_matrix, trajectories
 from tests.integration.test_dashboards import grafana_sql, of_type
@@ -135,14 +135,7 @@ def test_the_migration_ran_once_and_the_api_and_two_workers_run(stack):
 
 def test_the_template_collapse_alert_reaches_alertmanager(stack, collapsing_run):
     run = collapsing_run
-    received: list[dict] = []
-
-    def arrived() -> bool:
-        received[:] = httpx.get(f"{stack.alertmanager}/api/v2/alerts", params={"filter": f'run="{run}"'}).json()
-        return bool(received)
-
-    wait_until(arrived, 60, "the alert to reach Alertmanager")
-    (alert,) = received
+    (alert,) = alertmanager_alerts(stack.alertmanager, 60, filter=f'run="{run}"')
     assert alert["labels"] == {
         "alertname": "TemplateCollapse",
         "severity": "critical",

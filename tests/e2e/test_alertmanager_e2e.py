@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from bench.serving import free_port, wait_until
+from bench.serving import alertmanager_alerts, free_port, wait_until
 from tests.e2e.conftest import need, service_env, start_service
 from tests.fixtures import dependence_matrix
 
@@ -44,14 +44,7 @@ def test_a_collapse_alert_arrives_in_alertmanager_and_resolves(processes, tmp_pa
         for step, dependence in enumerate([1.5] * 5 + [0.0] * 3, start=1):
             assert http.post("/v1/runs/am-run/matrices", json=dependence_matrix(step, dependence)).status_code == 201
 
-    received: list[dict] = []
-
-    def arrived() -> bool:
-        received[:] = httpx.get(f"{manager}/api/v2/alerts").json()
-        return bool(received)
-
-    wait_until(arrived, 30, "the alert to reach Alertmanager")
-    (alert,) = received
+    (alert,) = alertmanager_alerts(manager, 30)
     assert alert["labels"] == {
         "alertname": "TemplateCollapse",
         "severity": "critical",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from scoring import Scorer
@@ -30,6 +32,17 @@ class SlowDiskPool(ScorerPool):
             assert self.release.wait(WAIT_SECONDS)
         return super()._load(name, checkpoint, kind)
 
+    @contextmanager
+    def loading(self) -> Iterator[tuple[threading.Thread, list]]:
+        """A get of ``slow`` in a thread of its own, held inside its load until the block ends, then joined."""
+        thread, got = in_thread(lambda: self.get(self.slow))
+        try:
+            assert self.loading_slow.wait(WAIT_SECONDS)
+            yield thread, got
+        finally:
+            self.release.set()
+        thread.join(WAIT_SECONDS)
+
 
 def pool_of(settings_for, tmp_path, slow: str = "slow", **overrides) -> SlowDiskPool:
     scorers = {"tiny-random": "tiny-random", "slow": "tiny-random", "other": "tiny-random"}
@@ -45,31 +58,21 @@ def in_thread(work) -> tuple[threading.Thread, list]:
 
 def test_a_slow_load_does_not_hold_the_scorers_of_other_runs(settings_for, tmp_path):
     pool = pool_of(settings_for, tmp_path)
-    slow, _ = in_thread(lambda: pool.get("slow"))
-    try:
-        assert pool.loading_slow.wait(WAIT_SECONDS)
+    with pool.loading() as (slow, _):
         fast, got = in_thread(lambda: pool.get("tiny-random"))
         fast.join(WAIT_SECONDS)
         assert not fast.is_alive(), "another scorer's get waited for the slow load"
         assert slow.is_alive()  # still loading
         assert isinstance(got[0], Scorer)
         assert pool.loaded() == ["tiny-random"]
-    finally:
-        pool.release.set()
-    slow.join(WAIT_SECONDS)
     assert pool.loaded() == ["tiny-random", "slow"]
 
 
 def test_two_gets_of_one_scorer_at_once_load_it_once(settings_for, tmp_path):
     pool = pool_of(settings_for, tmp_path)
-    first, got_first = in_thread(lambda: pool.get("slow"))
-    try:
-        assert pool.loading_slow.wait(WAIT_SECONDS)
+    with pool.loading() as (_, got_first):
         second, got_second = in_thread(lambda: pool.get("slow"))
         time.sleep(0.2)  # the second get reaches the key's lock (if it comes later, it finds the scorer loaded)
-    finally:
-        pool.release.set()
-    first.join(WAIT_SECONDS)
     second.join(WAIT_SECONDS)
     assert got_first[0] is got_second[0]
     assert pool.loads["slow"] == 1
