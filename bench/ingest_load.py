@@ -118,8 +118,9 @@ class ScoredRun:
             time.sleep(0.05)
 
     def queue(self, seconds: float, expected: float) -> None:
-        """A backlog of about twice what ``expected`` steps per second would do in ``seconds``."""
-        self.post(int(expected * seconds * 2) + 10)
+        """A backlog of about four times what ``expected`` steps per second would do in ``seconds`` (the warm-up's
+        speed is a first step's, which understates a warm worker's)."""
+        self.post(int(expected * seconds * 4) + 20)
 
     def rate(self, seconds: float) -> dict[str, Any]:
         """Scored steps per second over ``seconds``, from the backlog ``queue`` left."""
