@@ -2,8 +2,12 @@
 
     python bench/ingest_load.py [--backends sqlite,postgres] [--scorer tiny-random] [--noise off-schedule]
     python bench/ingest_load.py --scorer smollm2-135m [--seconds 30]
+    python bench/ingest_load.py --worker process --backends postgres
 
-One ``collapse-monitor serve`` per backend (embedded worker, rate and queue limits off). A scored run
+One ``collapse-monitor serve`` per backend (rate and queue limits off) that scores in its embedded worker
+(``--worker embedded``) or, with ``--worker process`` (Postgres only), does not, beside one
+``collapse-monitor worker`` process on the same database, so that the requests and the scoring hold a
+GIL each. A scored run
 of small steps (4 prompts x 2 rollouts) is kept ahead of the worker; its throughput is the steps
 done per second over ``--seconds``. Measured alone, then while ``--trainers``
 noise trainers each post one batch a second (phases spread) of batches that need no scoring:
@@ -25,12 +29,13 @@ import os
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import httpx
 import numpy as np
 
-from bench.serving import database, percentiles, served
+from bench.serving import database, percentiles, served, worker_process
 
 JSON = {"content-type": "application/json"}
 NOISE_KINDS = ("off-schedule", "matrices")
@@ -112,9 +117,13 @@ class ScoredRun:
                 raise RuntimeError(f"step {count} of {self.name} not scored within {self.timeout} s")
             time.sleep(0.05)
 
-    def rate(self, seconds: float, expected: float) -> dict[str, Any]:
-        """Scored steps per second over ``seconds`` with a backlog of about twice what ``expected`` would do."""
-        self.post(int(expected * seconds * 2) + 10)
+    def queue(self, seconds: float, expected: float) -> None:
+        """A backlog of about four times what ``expected`` steps per second would do in ``seconds`` (the warm-up's
+        speed is a first step's, which understates a warm worker's)."""
+        self.post(int(expected * seconds * 4) + 20)
+
+    def rate(self, seconds: float) -> dict[str, Any]:
+        """Scored steps per second over ``seconds``, from the backlog ``queue`` left."""
         load = os.getloadavg()[0]
         t0, k0 = time.monotonic(), self.done()
         time.sleep(seconds)
@@ -180,11 +189,15 @@ def measure(base: str, kind: str, trainers: int, rate: float, seconds: float, ti
         scored.wait(8)
         expected = 5 / (time.monotonic() - started)
         scored.wait(len(scored.ids))
-        alone = scored.rate(seconds, expected)
-        scored.wait(len(scored.ids))  # the loaded phase starts from an empty queue, as the alone one
+        scored.queue(seconds, expected)
+        alone = scored.rate(seconds)
+        scored.wait(len(scored.ids))  # the loaded phase starts from the same backlog as the alone one
+        # Queued before the noise starts: under load the posts slow down, and a worker that drains them as they
+        # come would be measured idle.
+        scored.queue(seconds, expected)
         with Noise(base, kind, trainers, rate) as noise:
             started = time.monotonic()
-            loaded = scored.rate(seconds, expected)
+            loaded = scored.rate(seconds)
             elapsed = time.monotonic() - started
         return {
             "noise": kind,
@@ -207,12 +220,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", default="sqlite,postgres")
     parser.add_argument("--scorer", default="tiny-random", help="tiny-random or smollm2-135m")
+    parser.add_argument(
+        "--worker",
+        choices=("embedded", "process"),
+        default="embedded",
+        help="score in the server's thread, or in a collapse-monitor worker process (Postgres)",
+    )
     parser.add_argument("--noise", default=",".join(NOISE_KINDS), help="comma-separated: off-schedule, matrices")
     parser.add_argument("--trainers", type=int, default=32)
     parser.add_argument("--rate", type=float, default=1.0, help="noise batches per second per trainer")
     parser.add_argument("--seconds", type=float, default=30, help="length of each phase")
     parser.add_argument("--timeout", type=float, default=300, help="seconds a phase may take")
     args = parser.parse_args()
+    if args.worker == "process" and "sqlite" in args.backends.split(","):
+        parser.error("--worker process needs Postgres (--backends postgres): a worker process cannot share SQLite")
     # A fresh service per (backend, noise): the worker would still be working off the last noise's batches.
     for backend in args.backends.split(","):
         for kind in args.noise.split(","):
@@ -220,15 +241,20 @@ def main() -> None:
                 settings = {
                     "DATABASE_URL": url,
                     "DATA_DIR": tmp,
-                    "EMBEDDED_WORKER": "true",
+                    "EMBEDDED_WORKER": str(args.worker == "embedded").lower(),
                     "DEFAULT_SCORER": args.scorer,
                     "MAX_QUEUE_DEPTH": "1000000",
                     "MAX_QUEUED_PER_RUN": "1000000",
                     "RATE_LIMIT_PER_SECOND": "0",
                 }
-                with served(settings, ready_seconds=600) as base:
+                with (
+                    served(settings, ready_seconds=600) as base,
+                    worker_process(settings) if args.worker == "process" else nullcontext(),
+                ):
                     result = measure(base, kind, args.trainers, args.rate, args.seconds, args.timeout)
-                print(json.dumps({"backend": backend, "scorer": args.scorer, **result}), flush=True)
+                print(
+                    json.dumps({"backend": backend, "scorer": args.scorer, "worker": args.worker, **result}), flush=True
+                )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from service.ingest.idempotency import accepted_answer, content_hash, new_batch,
 from service.ingest.limits import check_batch_limits, check_groups, check_queues, check_scoring_cost, check_token_ids
 from service.ingest.pace import run_pace
 from service.ingest.runs import require_run, segment_for
-from service.jobs.reasoning import ingest_warnings
+from service.jobs.reasoning import Found, ingest_warnings, reasoning_summary
 from service.jobs.recording import finish_done
 from service.jobs.reward_figures import batch_figures
 from service.schemas import BatchAccepted, BatchIn
@@ -35,18 +35,19 @@ def ingest_rollouts(
     """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
     check_batch_limits(payload, settings)
     check_groups(payload)
-    accepted, extraction, lag = _commit_rollouts(sessions, settings, run_name, raw, payload)
+    accepted, extraction, lag, found = _commit_rollouts(sessions, settings, run_name, raw, payload)
     # After the commit: the warnings split every turn (linear in the text, but up to 32 MB of it),
-    # which no transaction needs to wait for.
-    warnings = ingest_warnings(payload, extraction) + ([lag] if lag else [])
+    # which no transaction needs to wait for; a step off the schedule had it split for its figures.
+    warnings = ingest_warnings(payload, extraction, found) + ([lag] if lag else [])
     return accepted.model_copy(update={"warnings": warnings})
 
 
 def _commit_rollouts(
     sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
-) -> tuple[BatchAccepted, Extraction, str | None]:
-    """The batch stored in one transaction (or an identical earlier one), the run's reasoning extraction, and
-    the warning that scoring lags behind the run (``service.ingest.pace``), if it does."""
+) -> tuple[BatchAccepted, Extraction, str | None, Found | None]:
+    """The batch stored in one transaction (or an identical earlier one), the run's reasoning extraction,
+    the warning that scoring lags behind the run (``service.ingest.pace``), if it does, and the batch's
+    reasoning summary if it was computed (a step off the schedule)."""
     # Hashed before the transaction, and once: 32 MB take ~50 ms, which the run's row lock need not wait for.
     digest = content_hash(raw)
     with sessions.begin() as session:
@@ -54,7 +55,7 @@ def _commit_rollouts(
         extraction = cast(Extraction, run.reasoning_extraction)
         replay = replay_of(session, run.id, payload.idempotency_key, payload.step, raw, digest)
         if replay is not None:
-            return replay, extraction, None
+            return replay, extraction, None, None
         scheduled = is_scheduled(payload.step, run.score_every)
         check_scoring_cost(payload, run, settings)
         check_token_ids(payload, session.get(ScorerLimits, run.scorer))
@@ -63,7 +64,8 @@ def _commit_rollouts(
         snapshot = RunSnapshot.of(run)
         # Before the run's row lock (segment_for): pure work on the payload, which other ingests need not wait for.
         started = time.perf_counter()
-        figures = None if scheduled else batch_figures(payload, snapshot)
+        found = None if scheduled else reasoning_summary(payload, extraction)
+        figures = None if found is None else batch_figures(payload, snapshot, found)
         seconds = time.perf_counter() - started
         checkpoint = queries.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
         batch = new_batch(
@@ -83,7 +85,7 @@ def _commit_rollouts(
         except IntegrityError:  # a concurrent request with the same key won the race
             session.rollback()
             replayed = replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw, digest)
-            return replayed, extraction, None
+            return replayed, extraction, None, None
         accepted = accepted_answer(batch)
         if figures is not None:
             figures.checkpoint = checkpoint.path if checkpoint else None
@@ -92,4 +94,4 @@ def _commit_rollouts(
         # A run with nothing queued has at most one batch being scored, short of a backlog (pace.BACKLOG): a step
         # finished here skips the pace's reads of the run's history.
         lag = run_pace(session, run.id).warning(run.name) if scheduled or queries.queue_depth(session, run.id) else None
-    return accepted, extraction, lag
+    return accepted, extraction, lag, found

@@ -66,9 +66,14 @@ def reasoning_summary(payload: BatchIn, extraction: Extraction) -> tuple[Reasoni
     return ReasoningSummary(extraction=extraction, turns=n_turns, **counts), presence
 
 
-def ingest_warnings(payload: BatchIn, extraction: Extraction) -> list[str]:
-    """What will keep a batch from being scored, said at ingest rather than found in its results."""
-    summary, presence = reasoning_summary(payload, extraction)
+Found = tuple[ReasoningSummary, list[Trajectory]]  # what ``reasoning_summary`` returns
+
+
+def ingest_warnings(payload: BatchIn, extraction: Extraction, found: Found | None = None) -> list[str]:
+    """What will keep a batch from being scored, said at ingest rather than found in its results.
+
+    ``found``: the batch's ``reasoning_summary`` when the caller has it already (the split is most of the cost)."""
+    summary, presence = found or reasoning_summary(payload, extraction)
     warnings = []
     with_reasoning = sum(1 for t in presence if any(turn.reasoning_ids for turn in t.turns))
     if summary.with_reasoning == 0:

@@ -12,18 +12,20 @@ import numpy as np
 
 from scoring.samplers import coverage
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
-from service.jobs.reasoning import reasoning_summary
+from service.jobs.reasoning import Found, reasoning_summary
 from service.jobs.recording import ALL, ScoredBatch
 from service.schemas import BatchIn, BatchResult, RewardResult
 from service.snapshot import RunSnapshot, is_scheduled
 from service.storage.queries import Point
 
 
-def batch_figures(payload: BatchIn, run: RunSnapshot) -> ScoredBatch:
+def batch_figures(payload: BatchIn, run: RunSnapshot, found: Found | None = None) -> ScoredBatch:
     """What a rollouts batch writes before any cross-scoring: reward/SNR and reasoning-coverage figures and
-    the reasoning summary, under the ``all`` sampler; on a step off the run's schedule, all it writes."""
+    the reasoning summary, under the ``all`` sampler; on a step off the run's schedule, all it writes.
+
+    ``found``: the batch's ``reasoning_summary`` when the caller has it already."""
     rewards, figures = reward_figures(payload, run.filter)
-    summary, presence = reasoning_summary(payload, run.reasoning_extraction)
+    summary, presence = found or reasoning_summary(payload, run.reasoning_extraction)
     figures.update(coverage(presence))
     figures["truncated_think_ratio"] = summary.truncated_think / summary.turns
     figures["whole_response_turn_ratio"] = summary.whole_response / summary.turns

@@ -87,7 +87,12 @@ class Batch(Base):
         UniqueConstraint("run_id", "client_batch_id", name="uq_batches_run_client_id"),
         Index("ix_batches_status_created", "status", "created_at"),
         Index("ix_batches_run_status_step", "run_id", "status", "step"),
-        Index("ix_batches_run_step", "run_id", "step"),
+        # created_at: a replay's first batch of a step (batch_by_content) read in order from this index, not
+        # from ix_batches_run_created along the run's whole history.
+        Index("ix_batches_run_step", "run_id", "step", "created_at"),
+        # The pace read's newest accepted and newest finished batches (service.ingest.pace).
+        Index("ix_batches_run_created", "run_id", "created_at"),
+        Index("ix_batches_run_status_finished", "run_id", "status", "finished_at"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)
