@@ -28,7 +28,7 @@ from scoring.batch import ScoringBatch, Tokens
 from scoring.cascade import CascadePlan, Segment, install
 from scoring.config import ScoringConfig
 from scoring.estimators import per_token
-from scoring.forward import packed_forward, supports
+from scoring.forward import CHUNK_BYTES, packed_forward, supports
 from scoring.prefix_tree import PrefixTree
 from scoring.scorer import Scorer
 
@@ -105,16 +105,10 @@ def scaled_log_softmax(logits: torch.Tensor, temperature: float) -> torch.Tensor
     return torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)
 
 
-# At most this many bytes of float32 logits per vocabulary chunk. glibc's malloc hands out a block
-# over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free, so a larger chunk
-# is page-faulted and zeroed by the kernel again at every chunk: on SmolLM2 (V = 49,152) 512-row
-# chunks spent 13-19% of the CPU seconds of long-reasoning --quick in the kernel's page faults.
-LOGITS_CHUNK_BYTES = 24 * 2**20
-
-
 def logits_chunk_rows(chunk_tokens: int, vocab: int) -> int:
-    """Rows projected onto the vocabulary at a time: ``chunk_tokens``, fewer for a large vocabulary."""
-    return max(1, min(chunk_tokens, LOGITS_CHUNK_BYTES // (4 * vocab)))
+    """Rows projected onto the vocabulary at a time: ``chunk_tokens``, fewer where their float32 logits
+    would pass ``forward.CHUNK_BYTES``."""
+    return max(1, min(chunk_tokens, CHUNK_BYTES // (4 * vocab)))
 
 
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,12 @@ from scoring import cascade
 from scoring.cascade import CascadePlan
 
 FAMILIES = ("llama", "qwen2")
-MLP_CHUNK_BYTES = 24 * 2**20  # one [rows, intermediate] activation (see cross_scores.LOGITS_CHUNK_BYTES)
+# At most this many bytes per chunk of a CPU scorer's large temporaries (the MLP's [rows, intermediate]
+# activations here, the vocabulary chunks' logits in ``cross_scores``). glibc's malloc hands out a block
+# over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free, so a larger chunk is
+# page-faulted and zeroed by the kernel again at every chunk and layer: on SmolLM2 512-row vocabulary
+# chunks spent 13-19% of the CPU seconds of long-reasoning --quick in page faults.
+CHUNK_BYTES = 24 * 2**20
 
 
 def supports(model: Any) -> bool:
@@ -73,9 +78,8 @@ def packed_forward(
         hidden += attn.o_proj(out[valid].view(-1, heads * dim))
         x = _rms_norm(hidden, layer.post_attention_layernorm)
         mlp = layer.mlp
-        # Token by token, so in chunks whose [rows, intermediate] activations stay under glibc's
-        # mmap threshold: a larger block is mapped afresh and page-faulted at every layer.
-        rows = max(1, MLP_CHUNK_BYTES // (mlp.gate_proj.out_features * x.element_size()))
+        # Token by token, so in chunks of at most CHUNK_BYTES of activations.
+        rows = max(1, CHUNK_BYTES // (mlp.gate_proj.out_features * x.element_size()))
         for start in range(0, x.shape[0], rows):
             part = x[start : start + rows]
             hidden[start : start + rows] += mlp.down_proj(

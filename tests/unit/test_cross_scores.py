@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, score_batch, score_batch_naive
-from scoring.cross_scores import LOGITS_CHUNK_BYTES, logits_chunk_rows
+from scoring.cross_scores import logits_chunk_rows
+from scoring.forward import CHUNK_BYTES
 from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 
@@ -297,4 +298,4 @@ def test_vocabulary_chunks_keep_their_logits_under_the_byte_bound():
     assert logits_chunk_rows(7, 49_152) == 7  # a smaller setting is kept
     assert logits_chunk_rows(512, 10**9) == 1  # never zero rows
     for vocab in (512, 49_152, 151_936):
-        assert logits_chunk_rows(10**6, vocab) * 4 * vocab <= LOGITS_CHUNK_BYTES
+        assert logits_chunk_rows(10**6, vocab) * 4 * vocab <= CHUNK_BYTES

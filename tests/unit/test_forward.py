@@ -24,7 +24,7 @@ def test_packed_hidden_states_equal_the_padded_transformers_forward(family, mlp_
     scorer = tiny_scorer(family, torch.float64)
     if mlp_chunk_rows is not None:  # the MLP in chunks of 3 tokens, as a large model's long forward runs
         intermediate = scorer.model.config.intermediate_size
-        monkeypatch.setattr(forward, "MLP_CHUNK_BYTES", mlp_chunk_rows * intermediate * 8)
+        monkeypatch.setattr(forward, "CHUNK_BYTES", mlp_chunk_rows * intermediate * 8)
     install(scorer.model)
     rng = np.random.default_rng(0)
     lengths = [7, 1, 4, 7, 2]
