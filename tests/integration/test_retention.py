@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, func, select, update
 from bench.serving import wait_until
 from service.access import issue_token
 from service.storage.tables import Alert, Base, Batch, Run, utcnow
-from tests.fixtures import dependence_matrix, trajectories
+from tests.fixtures import dependence_matrix, error_body, trajectories
 
 pytestmark = pytest.mark.integration
 
@@ -99,12 +99,9 @@ def test_deleting_a_run_removes_everything_it_owns_and_its_prometheus_series(dat
     assert client.get("/v1/runs/doomed").status_code == 404
     unknown = client.delete("/v1/runs/doomed", headers={"Authorization": f"Bearer {admin}"})
     assert unknown.status_code == 404
-    assert unknown.json() == {
-        "error": "not_found",
-        "detail": "run 'doomed' does not exist; create it with POST /v1/runs",
-        "field": "run",
-        "index": None,
-    }
+    assert unknown.json() == error_body(
+        "not_found", "run 'doomed' does not exist; create it with POST /v1/runs", field="run"
+    )
     # The name is free again: a new run under it starts from nothing.
     assert (
         client.post("/v1/runs", json={"name": "doomed"}, headers={"Authorization": f"Bearer {admin}"}).json()["batches"]

@@ -12,7 +12,7 @@ from service.access import issue_token
 from service.storage import tokens
 from service.storage.database import make_sessions, migrate
 from service.storage.tables import ApiToken, Run, utcnow
-from tests.fixtures import dependence_matrix, trajectories
+from tests.fixtures import dependence_matrix, error_body, trajectories
 
 pytestmark = pytest.mark.integration
 
@@ -22,11 +22,6 @@ CHALLENGE = 'Bearer realm="collapse-monitor"'
 def issue(client, scope: str, run_prefix: str = "") -> str:
     with client.app.state.monitor.sessions.begin() as session:
         return issue_token(session, scope, run_prefix).secret
-
-
-def error_body(error: str, detail: str, field: str | None = None) -> dict[str, object]:
-    """A refusal's whole body (``index`` points into a batch's items; no refusal here has one)."""
-    return {"error": error, "detail": detail, "field": field, "index": None}
 
 
 def bearer(secret: str) -> dict[str, str]:
