@@ -132,12 +132,13 @@ def worker_process(settings: dict[str, str]) -> Iterator[subprocess.Popen[bytes]
     """Runs one ``collapse-monitor worker`` on ``settings``' (Postgres) database beside a server; stopped
     with SIGTERM (it finishes or hands back what it holds) at the end."""
     args = [str(BIN / "collapse-monitor"), "worker"]
-    process = subprocess.Popen(args, env=service_env(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        yield process
-    finally:
-        process.terminate()
-        process.wait()
+    with subprocess.Popen(
+        args, env=service_env(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    ) as process:
+        try:
+            yield process
+        finally:
+            process.terminate()  # leaving the with block waits for it
 
 
 def postgres_url(name: str) -> str:

@@ -160,6 +160,12 @@ def row_count(url: str, table: Any) -> int:
         engine.dispose()
 
 
+def error_body(error: str, detail: str, field: str | None = None) -> dict[str, Any]:
+    """The whole body the service's one error renderer answers a refusal with, for an item-less error
+    (``index`` points into a batch's items)."""
+    return {"error": error, "detail": detail, "field": field, "index": None}
+
+
 def wait_for(client: TestClient, batch_id: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -141,10 +141,15 @@ def changed(config: AlertSettings) -> dict[str, Any]:
     return {k: v for k, v in config.model_dump().items() if v != getattr(default, k) or k == "signal"}
 
 
+def replay_parameters(args: argparse.Namespace) -> dict[str, int]:
+    """What ``replays`` takes from the command line; both reports give it."""
+    return {"runs": args.runs, "healthy_runs": args.healthy_runs, "steps": args.steps, "seed": args.seed}
+
+
 def evaluate_defaults(corpus: Corpus, sizes: list[int], args: argparse.Namespace) -> None:
     tables = []
     for n in sizes:
-        data = replays(corpus, "evaluation", n, args.runs, args.healthy_runs, args.steps, args.seed)
+        data = replays(corpus, "evaluation", n, **replay_parameters(args))
         table: dict[str, Any] = {"rows": n}
         for label, rule in (("template_collapse_rule", TEMPLATE), ("entropy_only_rule", "EntropyCollapse")):
             table[label] = outcome(data, AlertSettings(), rule)
@@ -159,10 +164,7 @@ def evaluate_defaults(corpus: Corpus, sizes: list[int], args: argparse.Namespace
                 "half": "evaluation",
                 "path": "service.ingest.matrices.score_matrix + service.alerts.rules.evaluate (no database)",
                 "settings": changed(AlertSettings()),
-                "runs": args.runs,
-                "healthy_runs": args.healthy_runs,
-                "steps": args.steps,
-                "seed": args.seed,
+                **replay_parameters(args),
                 "tables": tables,
             }
         )
@@ -189,7 +191,7 @@ def main() -> None:
     if args.evaluate:
         evaluate_defaults(corpus, sizes, args)
         return
-    data = {n: replays(corpus, "calibration", n, args.runs, args.healthy_runs, args.steps, args.seed) for n in sizes}
+    data = {n: replays(corpus, "calibration", n, **replay_parameters(args)) for n in sizes}
     best: dict[str, tuple[tuple[bool, int, float, float], AlertSettings, list[dict[str, Any]]]] = {}
     for config in candidates():
         outcomes = [outcome(data[n], config) for n in sizes]
@@ -202,10 +204,7 @@ def main() -> None:
             {
                 "half": "calibration",
                 "rows": sizes,
-                "runs": args.runs,
-                "healthy_runs": args.healthy_runs,
-                "steps": args.steps,
-                "seed": args.seed,
+                **replay_parameters(args),
                 "best_per_signal": {
                     signal: {
                         "admissible": m[0],

@@ -113,6 +113,7 @@ def check_filters(rules: Iterable[str] | None, states: Iterable[str]) -> tuple[f
     return wanted_rules, wanted_states
 
 
+@dataclass(eq=False)  # stateful: equal only to itself
 class AlertWatcher:
     """Polls one run's alerts from a background thread and calls ``callback`` once per new state change.
 
@@ -125,28 +126,17 @@ class AlertWatcher:
     come. Poll failures are counted (``alert_poll_errors``) and retried with backoff.
     """
 
-    def __init__(
-        self,
-        transport: Transport,
-        run: str,
-        callback: Callable[[AlertEvent], object],
-        *,
-        rules: frozenset[str] | None,
-        states: frozenset[str],
-        interval: float,
-        existing: bool,
-        count: Callable[[str], None],
-        has_delivered: Callable[[], bool],
-    ) -> None:
-        self.transport = transport
-        self.run = run
-        self.callback = callback
-        self.rules = rules
-        self.states = states
-        self.interval = interval
-        self.existing = existing
-        self._count = count
-        self._has_delivered = has_delivered
+    transport: Transport
+    run: str
+    callback: Callable[[AlertEvent], object]
+    rules: frozenset[str] | None
+    states: frozenset[str]
+    interval: float
+    existing: bool
+    count: Callable[[str], None]
+    has_delivered: Callable[[], bool]
+
+    def __post_init__(self) -> None:
         self._seen: set[tuple[Any, ...]] = set()
         self._last_state: dict[tuple[Any, ...], int] = {}
         self._baseline_taken = False
@@ -178,7 +168,7 @@ class AlertWatcher:
                     ok = self.poll()
                 except Exception:  # a bug here must not end the watching silently
                     logger.exception("collapse-monitor: the alert watcher of run %r failed; retrying", self.run)
-                    self._count("alert_poll_errors")
+                    self.count("alert_poll_errors")
                     self._failures += 1
                     ok = False
                 if ok:
@@ -191,11 +181,11 @@ class AlertWatcher:
 
     def poll(self) -> bool:
         """One look at the run's alerts; delivers what is new. Returns whether the service answered."""
-        delivered_before = self._has_delivered()  # read before the request: see the class docstring
+        delivered_before = self.has_delivered()  # read before the request: see the class docstring
         try:
             alerts = self._fetch()
         except (httpx.HTTPError, ValueError) as e:
-            self._count("alert_poll_errors")
+            self.count("alert_poll_errors")
             self._failures += 1
             if self._failures == 1:
                 logger.warning("collapse-monitor: cannot read the alerts of run %r: %s; retrying", self.run, e)
@@ -203,7 +193,7 @@ class AlertWatcher:
         if self._failures:
             logger.warning("collapse-monitor: the alerts of run %r can be read again", self.run)
         self._failures = 0
-        self._count("alert_polls")
+        self.count("alert_polls")
         is_baseline = not self._baseline_taken and not delivered_before and not self.existing
         self._baseline_taken = True
         for event in self._new_events(alerts):
@@ -252,11 +242,11 @@ class AlertWatcher:
         return out
 
     def _deliver(self, event: AlertEvent) -> None:
-        self._count("alert_events")
+        self.count("alert_events")
         try:
             self.callback(event)
         except Exception:  # the callback is the user's code: it must not stop the watcher
-            self._count("alert_callback_errors")
+            self.count("alert_callback_errors")
             logger.exception("collapse-monitor: the alert callback %r failed on %s", self.callback, event.describe())
 
 

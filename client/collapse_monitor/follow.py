@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,25 +43,18 @@ def default_state_path(folder: Path, run: str) -> Path:
     return folder / f".collapse-monitor-{run}.state.json"
 
 
+@dataclass(eq=False)
 class Follower:
     """Sends the step files of ``folder`` through ``monitor``, remembering what was sent in ``state_path``."""
 
-    def __init__(
-        self,
-        folder: Path,
-        monitor: Monitor,
-        state_path: Path,
-        settle_seconds: float = 5.0,
-        *,
-        reward_weights: Weights = None,
-        render: Render | None = None,
-    ) -> None:
-        self.folder = folder
-        self.monitor = monitor
-        self.state_path = state_path
-        self.settle_seconds = settle_seconds
-        self.reward_weights = reward_weights
-        self.render = render
+    folder: Path
+    monitor: Monitor
+    state_path: Path
+    settle_seconds: float = 5.0
+    reward_weights: Weights = None
+    render: Render | None = None
+
+    def __post_init__(self) -> None:
         self.done: dict[str, dict[str, Any]] = self._load_state()
 
     def _load_state(self) -> dict[str, dict[str, Any]]:

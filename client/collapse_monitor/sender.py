@@ -101,31 +101,21 @@ class _Counts:
         self.values[name] = value
 
 
+@dataclass(eq=False)  # stateful: equal only to itself
 class Sender:
     """Delivers requests in order from one background thread; see the module docstring."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        spool: Spool,
-        run: str,
-        run_body: bytes,
-        *,
-        max_queue: int,
-        max_spool_bytes: int,
-        durable: bool,
-        backoff_seconds: float = 0.5,
-        max_backoff_seconds: float = 30.0,
-    ) -> None:
-        self.transport = transport
-        self.spool = spool
-        self.run = run
-        self.run_body = run_body
-        self.max_queue = max_queue
-        self.max_spool_bytes = max_spool_bytes
-        self.durable = durable
-        self.backoff_seconds = backoff_seconds
-        self.max_backoff_seconds = max_backoff_seconds
+    transport: Transport
+    spool: Spool
+    run: str
+    run_body: bytes
+    max_queue: int
+    max_spool_bytes: int
+    durable: bool
+    backoff_seconds: float = 0.5
+    max_backoff_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
         self.run_ready = False
         self.failure: str | None = None  # the first error a strict monitor must raise
         self._cond = threading.Condition()

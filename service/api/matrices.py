@@ -10,11 +10,17 @@ from fastapi import APIRouter, Query
 from scoring.estimators import prompt_posterior
 from service.api.deps import ReadsRun, State
 from service.errors import NotFound
+from service.ingest.runs import require_run
 from service.schemas import INT32_MAX, MatrixResponse, PromptDetail
-from service.storage import matrices, queries
+from service.storage import matrices
 from service.storage.tables import Batch, Run, ScoreMatrix
 
 router = APIRouter(tags=["runs"])
+
+SamplerQuery = Annotated[
+    str | None, Query(max_length=32, description="The sampler; the run's first with a stored matrix.")
+]
+StepQuery = Annotated[int | None, Query(ge=0, le=INT32_MAX, description="A scored step; the newest when absent.")]
 
 
 @router.get(
@@ -22,20 +28,10 @@ router = APIRouter(tags=["runs"])
     responses={404: {"description": "Unknown run, or no matrix at that step"}},
     dependencies=[ReadsRun],
 )
-def step_matrix(
-    state: State,
-    run: str,
-    sampler: Annotated[
-        str | None, Query(max_length=32, description="The sampler; the run's first with a stored matrix.")
-    ] = None,
-    step: Annotated[int | None, Query(ge=0, le=INT32_MAX, description="A scored step; the newest when absent.")] = None,
-) -> MatrixResponse:
+def step_matrix(state: State, run: str, sampler: SamplerQuery = None, step: StepQuery = None) -> MatrixResponse:
     """The cross-scoring matrix of one scored step, rows grouped by prompt, with the per-prompt breakdown."""
     with state.sessions() as session:
-        target = queries.run_by_name(session, run)
-        if target is None:
-            raise NotFound(f"run {run!r} does not exist; create it with POST /v1/runs", field="run")
-        found = _find(session, target, sampler, step)
+        found = _find(session, require_run(session, run), sampler, step)
         if found is None:
             at = f" at step {step}" if step is not None else ""
             raise NotFound(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from scoring.batch import ScoringBatch
@@ -45,6 +46,7 @@ class ScoringRates:
             self._by_scorer[scorer] = self._by_scorer.get(scorer, Throughput()).observe(cost, seconds)
 
 
+@dataclass
 class Budget:
     """One scheduled step's budget, shared by its samplers in proportion to their predicted seconds.
 
@@ -53,28 +55,20 @@ class Budget:
     so a sampler that took less or more than predicted passes the difference on to the next.
     """
 
-    def __init__(
-        self,
-        seconds: float | None,
-        rates: ScoringRates,
-        scorer: Scorer,
-        config: ScoringConfig,
-        max_positions: int,
-        max_reasoning_tokens: int | None,
-        check: Callable[[], None] | None = None,
-    ) -> None:
-        self.seconds = seconds
-        self.left = seconds
-        self.rates = rates
-        self.scorer = scorer
-        self.config = config
-        self.max_positions = max_positions
-        self.max_reasoning_tokens = max_reasoning_tokens
-        self.check = check
-        self.rate_source: Literal["measured", "warm-up", "none"] = (
-            "none" if rates.of(scorer.name).is_empty else "measured"
-        )
-        self._full: dict[str, float] = {}  # sampler still to score -> predicted seconds of all its rows
+    seconds: float | None
+    rates: ScoringRates
+    scorer: Scorer
+    config: ScoringConfig
+    max_positions: int
+    max_reasoning_tokens: int | None
+    check: Callable[[], None] | None = None
+    left: float | None = field(init=False)
+    rate_source: Literal["measured", "warm-up", "none"] = field(init=False)
+    _full: dict[str, float] = field(init=False, default_factory=dict)  # sampler still to score -> predicted seconds
+
+    def __post_init__(self) -> None:
+        self.left = self.seconds
+        self.rate_source = "none" if self.rates.of(self.scorer.name).is_empty else "measured"
 
     def start(self, batches: Mapping[str, ScoringBatch]) -> None:
         """Predicts every sampler's whole batch, after a warm-up when a budget applies and nothing was measured."""

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from service.storage.tables import Batch, Checkpoint, MetricPoint
-from tests.fixtures import row_count, trajectories, wait_for
+from tests.fixtures import error_body, row_count, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -39,24 +39,20 @@ def test_a_run_name_with_other_settings_is_a_conflict(database_url, client_for):
     client.post("/v1/runs", json={"name": "r"})
     response = client.post("/v1/runs", json={"name": "r", "temperature": 0.7, "schedule": {"every": 5}})
     assert response.status_code == 409
-    assert response.json() == {
-        "error": "run_conflict",
-        "detail": "run 'r' exists with different settings (schedule, temperature); use a new name for new settings",
-        "field": "schedule",
-        "index": None,
-    }
+    assert response.json() == error_body(
+        "run_conflict",
+        "run 'r' exists with different settings (schedule, temperature); use a new name for new settings",
+        field="schedule",
+    )
 
 
 def test_unknown_scorer_and_bad_run_names_are_refused(database_url, client_for):
     client = client_for(database_url, scoring_paused=True)
     response = client.post("/v1/runs", json={"name": "r", "scorer": "/etc/passwd"})
     assert response.status_code == 400
-    assert response.json() == {
-        "error": "invalid_request",
-        "detail": "scorer must be one of smollm2-135m, tiny-random, got '/etc/passwd'",
-        "field": "scorer",
-        "index": None,
-    }
+    assert response.json() == error_body(
+        "invalid_request", "scorer must be one of smollm2-135m, tiny-random, got '/etc/passwd'", field="scorer"
+    )
     bad_name = client.post("/v1/runs", json={"name": "../x"})
     assert bad_name.status_code == 422
     assert bad_name.json()["detail"][0]["field"] == "name"
@@ -140,29 +136,20 @@ def test_malformed_json_is_a_422_naming_the_position(paused, database_url):
 def test_unknown_runs_and_batches_are_404(paused):
     response = paused.post("/v1/runs/nope/batches", json={"step": 1, "trajectories": trajectories()})
     assert response.status_code == 404
-    assert response.json() == {
-        "error": "not_found",
-        "detail": "run 'nope' does not exist; create it with POST /v1/runs",
-        "field": "run",
-        "index": None,
-    }
-    assert paused.get("/v1/batches/0123").json() == {
-        "error": "not_found",
-        "detail": "batch '0123' does not exist",
-        "field": "batch_id",
-        "index": None,
-    }
+    assert response.json() == error_body(
+        "not_found", "run 'nope' does not exist; create it with POST /v1/runs", field="run"
+    )
+    assert paused.get("/v1/batches/0123").json() == error_body(
+        "not_found", "batch '0123' does not exist", field="batch_id"
+    )
 
 
 def test_batches_over_the_limits_are_413_and_write_nothing(paused, database_url):
     too_many = paused.post("/v1/runs/demo/batches", json={"step": 1, "trajectories": trajectories(n_groups=7)})
     assert too_many.status_code == 413
-    assert too_many.json() == {
-        "error": "too_large",
-        "detail": "a batch may hold at most 20 trajectories, got 21",
-        "field": "trajectories",
-        "index": None,
-    }
+    assert too_many.json() == error_body(
+        "too_large", "a batch may hold at most 20 trajectories, got 21", field="trajectories"
+    )
     assert row_count(database_url, Batch) == 0
 
 
@@ -233,12 +220,9 @@ def test_matrices_become_metric_points_at_once(paused, database_url):
     assert [(p["step"], p["value"]) for p in series["points"]] == [(4, pytest.approx(0.5438106679304657))]
     bad = paused.post("/v1/runs/demo/matrices", json=matrix | {"batch_id": "m-5", "reasoning_lengths": [1]})
     assert bad.status_code == 400
-    assert bad.json() == {
-        "error": "invalid_request",
-        "detail": "must hold one length per row (4), got 1",
-        "field": "reasoning_lengths",
-        "index": None,
-    }
+    assert bad.json() == error_body(
+        "invalid_request", "must hold one length per row (4), got 1", field="reasoning_lengths"
+    )
     assert row_count(database_url, MetricPoint) == len(paused.get("/v1/runs/demo/metrics").json()["points"])
 
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from service.storage.tables import Run
-from tests.fixtures import row_count
+from tests.fixtures import error_body, row_count
 from tests.integration.test_tokens import rejections
 
 pytestmark = pytest.mark.integration
@@ -27,13 +27,12 @@ def test_a_rebound_host_name_is_refused_before_any_read_or_write(client):
     for method, path in (("GET", "/v1/runs"), ("POST", "/v1/runs"), ("DELETE", "/v1/runs/r"), ("GET", "/")):
         refused = client.request(method, f"http://evil.example:8000{path}", json={"name": "r"})
         assert refused.status_code == 400, path
-        assert refused.json() == {
-            "error": "untrusted_host",
-            "detail": "this service does not answer to the host 'evil.example'; an operator lists the names clients "
+        assert refused.json() == error_body(
+            "untrusted_host",
+            "this service does not answer to the host 'evil.example'; an operator lists the names clients "
             "use in allowed_hosts",
-            "field": "Host",
-            "index": None,
-        }
+            field="Host",
+        )
     for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
         assert client.get(f"http://{host}/v1/runs").status_code == 200, host
     assert client.get("http://evil.example/healthz").status_code == 200  # probes answer any host
@@ -60,13 +59,11 @@ def test_a_page_of_another_origin_cannot_write_or_delete(tmp_path, client_for):
     for origin in ("http://evil.example", "null", "http://127.0.0.1:9999", "http://localhost:8000"):
         refused = client.post("/v1/runs", json={"name": "r"}, headers=local | {"origin": origin})
         assert refused.status_code == 403, origin
-        assert refused.json() == {
-            "error": "foreign_origin",
-            "detail": f"POST from a page of another origin ({origin!r}) is refused; an operator lists the origins "
+        assert refused.json() == error_body(
+            "foreign_origin",
+            f"POST from a page of another origin ({origin!r}) is refused; an operator lists the origins "
             "allowed to write in allowed_origins",
-            "field": None,
-            "index": None,
-        }
+        )
     assert row_count(url, Run) == 0
     assert client.delete("/v1/runs/r", headers=local | {"origin": "http://evil.example"}).status_code == 403
     assert client.get("/v1/runs", headers=local | {"origin": "http://evil.example"}).status_code == 200  # no CORS

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import func, insert, select, update
 
 from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix
-from tests.fixtures import dependence_matrix, trajectories, wait_for
+from tests.fixtures import dependence_matrix, error_body, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 JSON = {"content-type": "application/json"}
@@ -46,12 +46,9 @@ def test_a_matrix_of_200000_rows_is_refused_413_naming_the_row_limit(client):
     before = rejections(client, "too_large")
     response = client.post("/v1/runs/r/matrices", content=json.dumps(body).encode(), headers=JSON)
     assert response.status_code == 413
-    assert response.json() == {
-        "error": "too_large",
-        "detail": "a matrix may hold at most 16384 rows (max_matrix_rows), got 200000",
-        "field": "row_group_ids",
-        "index": None,
-    }
+    assert response.json() == error_body(
+        "too_large", "a matrix may hold at most 16384 rows (max_matrix_rows), got 200000", field="row_group_ids"
+    )
     assert rejections(client, "too_large") == before + 1
     assert count(client, Batch) == 0
 
@@ -89,12 +86,9 @@ def test_filter_requests_over_their_group_and_reward_limits_are_refused_413(clie
     groups = [[0.0, 1.0]] * 200_000  # 3.9 s of the request path before
     response = client.post("/v1/filter", content=json.dumps({"rewards": groups}).encode(), headers=JSON)
     assert response.status_code == 413
-    assert response.json() == {
-        "error": "too_large",
-        "detail": "a filter request may hold at most 10000 groups (max_filter_groups), got 200000",
-        "field": "rewards",
-        "index": None,
-    }
+    assert response.json() == error_body(
+        "too_large", "a filter request may hold at most 10000 groups (max_filter_groups), got 200000", field="rewards"
+    )
     wide = {"rewards": [[0.5] * 200_000] * 6}  # few groups, 1.2M rewards
     response = client.post("/v1/filter", content=json.dumps(wide).encode(), headers=JSON)
     assert response.status_code == 413

@@ -182,6 +182,8 @@ WINDOW_START = datetime.now(UTC) - timedelta(days=2)
 WINDOW_END = datetime.now(UTC) + timedelta(hours=1)
 VARIABLES = {"run": "run-a", "sampler": "first_turn"}
 
+# The columns of an alert episode, in the run's episodes table and the fleet's open alerts alike.
+EPISODE_COLUMNS = ["sampler", "rule", "severity", "state", "onset step", "fired step"]
 # The columns each SQL query must answer with (Grafana reads them by name).
 EXPECTED_COLUMNS = {
     ("run.json", "variable $run"): ["name"],
@@ -205,12 +207,7 @@ EXPECTED_COLUMNS = {
     ("run.json", "Reward std and zero-variance groups [A]"): ["step", "reward std", "zero-variance groups"],
     ("run.json", "Filter kept ratio [A]"): ["step", "kept ratio"],
     ("run.json", "Alert episodes [A]"): [
-        "sampler",
-        "rule",
-        "severity",
-        "state",
-        "onset step",
-        "fired step",
+        *EPISODE_COLUMNS,
         "resolved step",
         "value",
         "baseline",
@@ -231,12 +228,7 @@ EXPECTED_COLUMNS = {
     ],
     ("fleet.json", "Open alerts [A]"): [
         "run",
-        "sampler",
-        "rule",
-        "severity",
-        "state",
-        "onset step",
-        "fired step",
+        *EPISODE_COLUMNS,
         "last step",
         "summary",
         "updated",
@@ -322,23 +314,18 @@ def seed(url: str) -> None:
                 updated_at=now - timedelta(days=30),
             )
         )
+        columns = ("sampler", "rule", "severity", "state", "onset_step", "fired_step", "resolved_step", "last_step")
         episodes = [
             ("first_turn", "TemplateCollapse", "critical", "firing", 2, 3, None, 3),
             ("first_turn", "EntropyCollapse", "warning", "resolved", 1, 1, 2, 2),
             ("all", "LowRewardSignal", "warning", "pending", 3, None, None, 3),
         ]
-        for hours_ago, (sampler, rule, severity, state, onset, fired, resolved, last) in enumerate(episodes, start=1):
+        for hours_ago, episode in enumerate(episodes, start=1):
+            sampler, rule = episode[:2]
             session.add(
                 Alert(
                     run_id=active.id,
-                    sampler=sampler,
-                    rule=rule,
-                    severity=severity,
-                    state=state,
-                    onset_step=onset,
-                    fired_step=fired,
-                    resolved_step=resolved,
-                    last_step=last,
+                    **dict(zip(columns, episode, strict=True)),
                     value=0.1,
                     baseline=2.0,
                     threshold=0.5,

@@ -16,6 +16,7 @@ from sqlalchemy import exc, text
 
 from service.loops import retry_through_outage
 from service.storage.database import make_engine, outage
+from tests.fixtures import error_body
 
 pytestmark = pytest.mark.integration
 
@@ -41,13 +42,11 @@ def test_a_sqlite_database_locked_past_the_busy_timeout_answers_503_with_retry_a
         locker.close()
     assert refused.status_code == 503
     assert int(refused.headers["retry-after"]) > 0
-    assert refused.json() == {
-        "error": "database_unavailable",
-        "detail": "the database is unavailable (timed out: another writer held the database too long); "
+    assert refused.json() == error_body(
+        "database_unavailable",
+        "the database is unavailable (timed out: another writer held the database too long); "
         "retry after the Retry-After header",
-        "field": None,
-        "index": None,
-    }
+    )
     assert client.post("/v1/runs", json={"name": "locked"}).status_code == 201
     metrics = client.get("/metrics").text
     assert 'collapse_monitor_rejections_total{reason="database_unavailable"} 1.0' in metrics

@@ -18,7 +18,7 @@ from service.jobs.worker import Worker
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, MetricPoint, Run
-from tests.fixtures import trajectories
+from tests.fixtures import error_body, trajectories
 
 pytestmark = pytest.mark.integration
 
@@ -122,13 +122,11 @@ def test_a_token_is_refused_at_its_share_of_the_queue_and_others_are_not(databas
     refused = small(client, "g-2", 5, greedy)
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "5"
-    assert refused.json() == {
-        "error": "token_queue_full",
-        "detail": "the runs of the token that created this run have 5 batches waiting to be scored, its share "
+    assert refused.json() == error_body(
+        "token_queue_full",
+        "the runs of the token that created this run have 5 batches waiting to be scored, its share "
         "(max_queued_per_token); retry later",
-        "field": None,
-        "index": None,
-    }
+    )
     assert small(client, "o-1", 0, other).status_code == 202  # another token's runs are not held back
     metrics = client.get("/metrics").text
     assert 'collapse_monitor_rejections_total{reason="token_queue_full"} 1.0' in metrics

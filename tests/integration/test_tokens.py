@@ -12,7 +12,7 @@ from service.access import issue_token
 from service.storage import tokens
 from service.storage.database import make_sessions, migrate
 from service.storage.tables import ApiToken, Run, utcnow
-from tests.fixtures import dependence_matrix, trajectories
+from tests.fixtures import dependence_matrix, error_body, trajectories
 
 pytestmark = pytest.mark.integration
 
@@ -60,13 +60,11 @@ def test_once_a_token_exists_writes_need_a_valid_one_with_the_right_scope(databa
     missing = client.post("/v1/runs/team-a-1/batches", json={"step": 1, "trajectories": trajectories()})
     assert missing.status_code == 401
     assert missing.headers["www-authenticate"] == CHALLENGE
-    assert missing.json() == {
-        "error": "unauthorized",
-        "detail": "this request needs an API token: send the header Authorization: Bearer <token> "
+    assert missing.json() == error_body(
+        "unauthorized",
+        "this request needs an API token: send the header Authorization: Bearer <token> "
         "(an operator creates one with `collapse-monitor tokens create`)",
-        "field": None,
-        "index": None,
-    }
+    )
     # Refused before the body is read: a malformed body without a token is a 401, not a 422.
     assert client.post("/v1/runs/team-a-1/batches", content=b"{").status_code == 401
     made_up = client.post("/v1/runs", json={"name": "team-a-2"}, headers=bearer("cm_made-up"))
@@ -78,21 +76,17 @@ def test_once_a_token_exists_writes_need_a_valid_one_with_the_right_scope(databa
 
     read_only = client.post("/v1/runs", json={"name": "team-a-2"}, headers=bearer(reader))
     assert read_only.status_code == 403
-    assert read_only.json() == {
-        "error": "insufficient_scope",
-        "detail": "a read token may not write; writes need an ingest token (for the run's name prefix) or an "
-        "admin token",
-        "field": None,
-        "index": None,
-    }
+    assert read_only.json() == error_body(
+        "insufficient_scope",
+        "a read token may not write; writes need an ingest token (for the run's name prefix) or an admin token",
+    )
     elsewhere = client.post("/v1/runs", json={"name": "team-b-1"}, headers=bearer(ingest))
     assert elsewhere.status_code == 403
-    assert elsewhere.json() == {
-        "error": "insufficient_scope",
-        "detail": "this ingest token may write runs whose name starts with 'team-a-', not 'team-b-1'",
-        "field": "name",
-        "index": None,
-    }
+    assert elsewhere.json() == error_body(
+        "insufficient_scope",
+        "this ingest token may write runs whose name starts with 'team-a-', not 'team-b-1'",
+        field="name",
+    )
     other_run = client.post("/v1/runs", json={"name": "other"})  # created by nobody: tokens are needed now
     assert other_run.status_code == 401
     assert runs_in(database_url) == ["team-a-1"]
@@ -125,12 +119,9 @@ def test_a_revoked_token_is_refused_once_the_cache_lets_go(database_url, client_
     time.sleep(0.3)
     refused = client.post("/v1/runs/r/matrices", json=dependence_matrix(1, 1.0), headers=bearer(old))
     assert refused.status_code == 401
-    assert refused.json() == {
-        "error": "revoked_token",
-        "detail": f"the bearer token {old[:8]}... was revoked; ask an operator for a new one",
-        "field": None,
-        "index": None,
-    }
+    assert refused.json() == error_body(
+        "revoked_token", f"the bearer token {old[:8]}... was revoked; ask an operator for a new one"
+    )
     assert refused.headers["www-authenticate"] == f'{CHALLENGE}, error="invalid_token", error_description="revoked"'
     assert client.post("/v1/runs/r/matrices", json=dependence_matrix(1, 1.0), headers=bearer(keep)).status_code == 201
     assert rejections(client)["revoked_token"] == 1
@@ -184,13 +175,12 @@ def test_an_ingest_token_creates_at_most_max_runs_per_token_runs(database_url, c
     assert client.post("/v1/runs", json={"name": "a"}, headers=bearer(ingest)).status_code == 200  # not a creation
     third = client.post("/v1/runs", json={"name": "c"}, headers=bearer(ingest))
     assert third.status_code == 403
-    assert third.json() == {
-        "error": "run_limit",
-        "detail": f"this ingest token ({ingest[:8]}...) has created 2 runs, the limit (max_runs_per_token=2); an "
+    assert third.json() == error_body(
+        "run_limit",
+        f"this ingest token ({ingest[:8]}...) has created 2 runs, the limit (max_runs_per_token=2); an "
         "admin can delete old runs (DELETE /v1/runs/{run}) or raise the limit",
-        "field": "name",
-        "index": None,
-    }
+        field="name",
+    )
     assert "www-authenticate" not in third.headers
     assert client.post("/v1/runs", json={"name": "c"}, headers=bearer(admin)).status_code == 201  # admins: no limit
     assert client.delete("/v1/runs/a", headers=bearer(admin)).status_code == 204
@@ -265,13 +255,12 @@ def test_an_ingest_token_for_team_a_covers_team_a_runs_and_not_team_admin(databa
         assert client.post("/v1/runs", json={"name": name}, headers=bearer(ingest)).status_code == 201, name
     refused = client.post("/v1/runs", json={"name": "team-admin-x"}, headers=bearer(ingest))
     assert refused.status_code == 403
-    assert refused.json() == {
-        "error": "insufficient_scope",
-        "detail": "this ingest token may write runs named 'team-a' or starting with 'team-a' and a separator "
+    assert refused.json() == error_body(
+        "insufficient_scope",
+        "this ingest token may write runs named 'team-a' or starting with 'team-a' and a separator "
         "(- _ . / :), not 'team-admin-x'",
-        "field": "name",
-        "index": None,
-    }
+        field="name",
+    )
     admin = issue(client, "admin")
     assert client.post("/v1/runs", json={"name": "team-admin-x"}, headers=bearer(admin)).status_code == 201
     matrix = client.post("/v1/runs/team-admin-x/matrices", json=dependence_matrix(1, 1.0), headers=bearer(ingest))

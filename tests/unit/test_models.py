@@ -8,6 +8,7 @@ import torch
 from scoring import ModelLoadError, Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch
 from scoring.models import build_tiny_random
 from scoring.verification import verify_scorer
+from tests.conftest import LLAMA_LAYOUT
 
 
 def test_tiny_random_is_deterministic_and_tokenizes_text(tmp_path):
@@ -68,18 +69,9 @@ FULL = {"layer_types": ["full_attention"]}
 def test_models_the_kernel_cannot_reproduce_are_refused(attention, message):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    config = Gemma2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        attn_implementation="eager",
-        **attention,
-    )
-    model = Gemma2ForCausalLM(config).eval()
+    # One layer (``layer_types`` lists one); head_dim set, as Gemma2's default is 256.
+    layout = LLAMA_LAYOUT | {"num_hidden_layers": 1, "head_dim": 8, "attn_implementation": "eager"}
+    model = Gemma2ForCausalLM(Gemma2Config(**layout, **attention)).eval()
     with pytest.raises(ModelLoadError, match=message):
         verify_scorer(Scorer(name="gemma2", model=model, tokenizer=None))
 
