@@ -84,6 +84,12 @@ def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: in
     return ScoringBatch.from_rows([p for p, _ in chosen], [z for _, z in chosen], list(range(draws)))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Docker tests run last: by then ``tests.docker.prepare``, started beside the suite by scripts/test,
+    has built their images (minutes that would otherwise open the run)."""
+    items.sort(key=lambda item: item.get_closest_marker("docker") is not None)
+
+
 @pytest.fixture(scope="session")
 def llama64() -> Scorer:
     return tiny_scorer("llama", torch.float64)

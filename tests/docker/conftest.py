@@ -168,13 +168,24 @@ def tail(path: Path, n_chars: int = 2000) -> str:
     return path.read_text(errors="replace")[-n_chars:] if path.exists() else ""
 
 
+@contextmanager
+def running_engine() -> Iterator[Engine]:
+    """An engine for as long as the block runs; one at a time, since the engine this starts keeps its state in
+    ``.cache/docker/engine`` (``tests.docker.prepare`` builds the images under it while the other tiers run)."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "engine.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = find_or_start_engine()
+        try:
+            yield started
+        finally:
+            started.stop()
+
+
 @pytest.fixture(scope="session")
 def engine() -> Iterator[Engine]:
-    started = find_or_start_engine()
-    try:
+    with running_engine() as started:
         yield started
-    finally:
-        started.stop()
 
 
 @contextmanager
@@ -268,6 +279,11 @@ class Images:
 
 @pytest.fixture(scope="session")
 def images(engine: Engine) -> Images:
+    return build_images(engine)
+
+
+def build_images(engine: Engine) -> Images:
+    """The service image and the stand-ins; a second build of unchanged sources takes seconds (layer cache)."""
     ensure_base_image(engine)
     ensure_wheels()
     engine.run(
