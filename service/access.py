@@ -40,7 +40,7 @@ HINT_CHARS = 8  # the first characters of a token shown by `tokens list`
 # Where a run prefix may end inside a run name: a prefix covers whole name segments, so that
 # `team-a` covers `team-a` and `team-a-grpo` but never `team-admin-x`.
 SEPARATORS = "-_./:"
-# A prefix is the start of a run name: the run names' own alphabet (service.schemas.RunName).
+# A prefix is the start of a run name: the run names' own alphabet (service.schemas.inputs.RunName).
 PREFIX_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 

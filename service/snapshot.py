@@ -7,7 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from scoring.partition import Extraction
-from service.schemas import AlertSettings, from_row
+from service.schemas.alerts import AlertSettings
+from service.schemas.rows import from_row
 from service.storage.tables import Run
 
 

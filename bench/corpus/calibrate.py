@@ -28,7 +28,8 @@ from bench.corpus.simulate import CORPUS, KINDS, Corpus, Run, Story, halves, loa
 from scoring.estimators import EmaState
 from service.alerts.rules import TEMPLATE, Series, evaluate
 from service.ingest.matrices import score_matrix
-from service.schemas import AlertSettings, MatrixBatchIn, Signal
+from service.schemas.alerts import AlertSettings, Signal
+from service.schemas.inputs import MatrixBatchIn
 
 SAMPLER = "matrix"
 TARGET_DELAY = 3

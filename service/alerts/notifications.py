@@ -17,7 +17,8 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from service.schemas import AlertDocument, DeliveryStatus, from_row
+from service.schemas.alerts import AlertDocument, DeliveryStatus
+from service.schemas.rows import from_row
 from service.settings import Settings
 from service.storage import queries
 from service.storage.tables import Alert, AlertDelivery, as_utc, iso_time, utcnow

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from scoring.estimators import between_step_variance, cusum
-from service.schemas import SIGNAL_THRESHOLDS, AlertSettings, AlertState, RuleName, Severity
+from service.schemas.alerts import SIGNAL_THRESHOLDS, AlertSettings, AlertState, RuleName, Severity
 
 Series = dict[str, list[tuple[int, float]]]  # stored name -> [(step, value)], ascending steps
 CUSUM = "mi_cusum"  # not a stored series: computed here from mi_estimate and mi_estimate_se

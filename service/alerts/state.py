@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from service.alerts.notifications import notifications
 from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, Series, needed_series
-from service.schemas import AlertSettings, RuleName
+from service.schemas.alerts import AlertSettings, RuleName
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import queries

@@ -9,7 +9,8 @@ from fastapi import APIRouter, Query
 from service.alerts.notifications import delivery_status
 from service.api.deps import Caller, ReadsRun, State
 from service.ingest.runs import require_run
-from service.schemas import AlertResponse, AlertState, DeliveryStatus, RuleName, from_row
+from service.schemas.alerts import AlertResponse, AlertState, DeliveryStatus, RuleName
+from service.schemas.rows import from_row
 from service.storage import queries
 
 router = APIRouter(tags=["alerts"])

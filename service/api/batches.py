@@ -6,7 +6,8 @@ from fastapi import APIRouter
 
 from service.api.deps import Caller, ReadsNoRunData, State
 from service.errors import NotFound
-from service.schemas import BatchStatus, from_row
+from service.schemas.results import BatchStatus
+from service.schemas.rows import from_row
 from service.storage.tables import Batch, Run
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])

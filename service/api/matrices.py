@@ -11,7 +11,8 @@ from scoring.estimators import prompt_posterior
 from service.api.deps import ReadsRun, State
 from service.errors import NotFound
 from service.ingest.runs import require_run
-from service.schemas import INT32_MAX, MatrixResponse, PromptDetail
+from service.schemas.inputs import INT32_MAX
+from service.schemas.reads import MatrixResponse, PromptDetail
 from service.storage import matrices
 from service.storage.tables import Batch, Run, ScoreMatrix
 

@@ -7,7 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from service.api.deps import Caller, State
-from service.schemas import LatestValue, OverviewResponse, RunMetadata, RunOverview, Sparkline
+from service.schemas.inputs import RunMetadata
+from service.schemas.reads import LatestValue, OverviewResponse, RunOverview, Sparkline
 from service.snapshot import run_metadata
 from service.storage import overview
 from service.storage.tables import Run, iso_time

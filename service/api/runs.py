@@ -14,19 +14,18 @@ from fastapi.responses import StreamingResponse
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
 from service.api.state import AppState
 from service.ingest import batches, matrices, runs
-from service.schemas import (
+from service.schemas.inputs import (
     INT32_MAX,
     BatchAccepted,
     BatchIn,
     CheckpointIn,
     CheckpointResponse,
-    MatrixAccepted,
     MatrixBatchIn,
-    MetricPointOut,
-    MetricSeries,
     RunCreate,
     RunResponse,
 )
+from service.schemas.reads import MetricPointOut, MetricSeries
+from service.schemas.results import MatrixAccepted
 from service.storage import queries
 from service.storage.queries import SeriesQuery
 from service.storage.tables import iso_time

@@ -13,7 +13,8 @@ from service.api.deps import AccessFirst, Caller, ReadsNoRunData, State
 from service.api.state import AppState
 from service.errors import TooLarge
 from service.metrics import EXPORTED, NAMESPACE
-from service.schemas import CatalogueEntry, CatalogueResponse, FilterRequest, FilterResponse
+from service.schemas.inputs import FilterRequest, FilterResponse
+from service.schemas.reads import CatalogueEntry, CatalogueResponse
 
 router = APIRouter(route_class=AccessFirst)  # POST /v1/filter: access on the headers, then the body
 

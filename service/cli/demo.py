@@ -20,7 +20,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
-from service.schemas import BatchStatus
+from service.schemas.results import BatchStatus
 
 TRACES = Path(__file__).with_name("demo_traces.json")  # extracted from bench/corpus/smollm2.json.gz
 

@@ -14,15 +14,8 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from scoring.config import ScoringConfig
 from service.cli.flags import UsageError, format_validation_error
-from service.schemas import (
-    FilterRequest,
-    FilterResponse,
-    InputError,
-    MatrixInput,
-    MatrixSteps,
-    SamplerResult,
-    ScoreRowIn,
-)
+from service.schemas.inputs import FilterRequest, FilterResponse, InputError, MatrixInput, MatrixSteps, ScoreRowIn
+from service.schemas.results import SamplerResult
 
 SCORING = ScoringConfig()  # the scoring defaults the `score` flags show
 

@@ -22,7 +22,7 @@ from service.ingest.runs import require_run, segment_for
 from service.jobs.reasoning import Found, ingest_warnings, reasoning_summary
 from service.jobs.recording import finish_done
 from service.jobs.reward_figures import batch_figures
-from service.schemas import BatchAccepted, BatchIn
+from service.schemas.inputs import BatchAccepted, BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled
 from service.storage import queries

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import Conflict
 from service.ingest.runs import require_run
-from service.schemas import BatchAccepted
+from service.schemas.inputs import BatchAccepted
 from service.storage import queries
 from service.storage.tables import Batch
 

@@ -7,7 +7,7 @@ import math
 from sqlalchemy.orm import Session
 
 from service.errors import InvalidRequest, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
-from service.schemas import BatchIn, TurnWithEntropy
+from service.schemas.inputs import BatchIn, TurnWithEntropy
 from service.settings import Settings
 from service.snapshot import is_scheduled
 from service.storage import queries

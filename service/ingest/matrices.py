@@ -19,7 +19,8 @@ from service.ingest.limits import check_size
 from service.ingest.runs import require_run, segment_for
 from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
-from service.schemas import BatchResult, InputError, MatrixAccepted, MatrixBatchIn
+from service.schemas.inputs import InputError, MatrixBatchIn
+from service.schemas.results import BatchResult, MatrixAccepted
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage.matrices import MatrixRecord

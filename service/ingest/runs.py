@@ -12,7 +12,7 @@ from service.access import Token
 from service.errors import InvalidRequest, NotFound, RunConflict, RunLimitReached
 from service.ingest.pace import run_pace
 from service.jobs.checkpoints import resolve_checkpoint
-from service.schemas import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
+from service.schemas.inputs import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
 from service.snapshot import BUDGET_KEY, RunSnapshot, run_budget, run_metadata
 from service.storage import deletion, queries, tokens

@@ -20,7 +20,7 @@ from scoring.config import ScoringConfig
 from scoring.cross_scores import score_batch
 from scoring.scorer import Scorer
 from scoring.window import WindowCut, fit_window
-from service.schemas import PlanResult
+from service.schemas.results import PlanResult
 
 # The warm-up batch: prompts x rows of the step's mean lengths, ~5k tokens at a 512-token window
 # (~2 s of SmolLM2 on 2 cores). Its prompts share no prefix and its forwards are small, so it runs

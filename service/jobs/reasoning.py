@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 from scoring.partition import Extraction, Partition, has_think_tags, partition_turn
 from scoring.samplers import Trajectory, Turn
-from service.schemas import BatchIn, ReasoningSummary, TurnWithEntropy
+from service.schemas.inputs import BatchIn, TurnWithEntropy
+from service.schemas.results import ReasoningSummary
 
 
 def turn_partition(turn: TurnWithEntropy, extraction: Extraction) -> Partition | None:

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from scoring.estimators import Diagnostics, EmaState
 from scoring.window import WindowCut
 from service.alerts.state import update_alerts
-from service.schemas import BatchResult, SamplerResult
+from service.schemas.results import BatchResult, SamplerResult
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import queries

@@ -14,7 +14,8 @@ from scoring.samplers import coverage
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
 from service.jobs.reasoning import Found, reasoning_summary
 from service.jobs.recording import ALL, ScoredBatch
-from service.schemas import BatchIn, BatchResult, RewardResult
+from service.schemas.inputs import BatchIn
+from service.schemas.results import BatchResult, RewardResult
 from service.snapshot import RunSnapshot, is_scheduled
 from service.storage.queries import Point
 

@@ -22,7 +22,7 @@ from service.jobs.budget import Budget, ScoringRates
 from service.jobs.reasoning import group_extractions, reasoning_excerpts
 from service.jobs.recording import ScoredBatch
 from service.jobs.reward_figures import batch_figures
-from service.schemas import BatchIn
+from service.schemas.inputs import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled, step_budget
 from service.storage.matrices import MatrixRecord

@@ -37,7 +37,7 @@ from service.jobs.recording import ScoredBatch, finish_done, finish_failed, load
 from service.jobs.rollouts import score_rollouts
 from service.jobs.scorers import ScorerPool
 from service.loops import lease_owner, poll, retry_through_outage, worker_identity
-from service.schemas import BatchIn
+from service.schemas.inputs import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import queries

@@ -11,7 +11,8 @@ from sqlalchemy import delete, event, insert, select, update
 from sqlalchemy.orm import Session
 
 from service.jobs.recording import ALL, ScoredBatch, record_step
-from service.schemas import AlertSettings, BatchResult, SamplerResult
+from service.schemas.alerts import AlertSettings
+from service.schemas.results import BatchResult, SamplerResult
 from service.snapshot import RunSnapshot
 from service.storage import queries
 from service.storage.database import make_engine, make_sessions, migrate

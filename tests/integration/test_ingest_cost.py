@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 
 from service.ingest.batches import ingest_rollouts
 from service.ingest.runs import create_run
-from service.schemas import BatchIn, RunCreate
+from service.schemas.inputs import BatchIn, RunCreate
 from service.storage.database import make_engine, make_sessions
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from service.alerts.rules import Episode, Replay, Rewind, evaluate
-from service.schemas import AlertSettings
+from service.schemas.alerts import AlertSettings
 from tests.fixtures import model_figures, run_figures
 
 # These series are mi_zscore_ema's, written for the settings before the corpus calibration (issue 12).

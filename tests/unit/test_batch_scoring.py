@@ -9,7 +9,7 @@ import pytest
 
 from scoring.snr_filter import FilterConfig, filter_groups
 from service.jobs.reward_figures import reward_figures
-from service.schemas import BatchIn, FilterSettings
+from service.schemas.inputs import BatchIn, FilterSettings
 from service.snapshot import is_scheduled
 
 

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException
 from service.api.bodies import MAX_SHARED_INTS, parse_body, shared_ints
 from service.api.deps import AccessFirst, WritesRun
 from service.errors import InvalidRequest
-from service.schemas import BatchIn
+from service.schemas.inputs import BatchIn
 
 
 class Ids(BaseModel):

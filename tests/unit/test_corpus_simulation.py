@@ -11,7 +11,7 @@ from bench.corpus.calibrate import first_fire, replay
 from bench.corpus.simulate import SHARP_SHARE, Corpus, Run, Story, halves, story
 from scoring.estimators import between_step_variance, cusum, lost_input_dependence
 from service.alerts.rules import evaluate
-from service.schemas import AlertSettings
+from service.schemas.alerts import AlertSettings
 
 PROMPTS, PER_PROMPT, STYLES, PER_STYLE, LENGTH = 8, 16, 2, 16, 20
 

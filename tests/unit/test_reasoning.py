@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from service.jobs.reasoning import group_extractions, ingest_warnings, reasoning_summary
-from service.schemas import BatchIn
+from service.schemas.inputs import BatchIn
 
 
 def batch(responses: list[str], rewards: list[float | None] | None = None, **turn: object) -> BatchIn:

@@ -1,0 +1,145 @@
+"""Alert settings (a run's rules, thresholds, baseline) and the alerts the API answers with.
+
+The rules themselves are in ``service.alerts.rules``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+)
+
+from service.schemas.rows import IsoTime
+
+# Alert settings and names (the rules themselves: service.alerts.rules) ------------------------
+
+RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"]
+AlertState = Literal["pending", "firing", "resolved"]
+Severity = Literal["critical", "warning"]
+MAX_WINDOW = 1000  # scored steps; a replay's saved state holds up to baseline_steps values per series
+SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
+Signal = Literal["retrieval_above_chance", "mi_cusum", "mi_zscore_ema", "mi_estimate"]
+
+
+class AlertSettings(BaseModel):
+    """Alert thresholds of one run (``alerts`` in ``POST /v1/runs``); docs/alerts.md's table is generated
+    from these fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    enabled: bool = Field(True, description="Evaluate alert rules for this run.")
+    signal: Signal = Field(
+        "retrieval_above_chance",
+        description="The input-dependence signal TemplateCollapse watches (the default calibrated on the SmolLM2 "
+        "corpus, docs/corpus.md). mi_cusum: a one-sided CUSUM of mi_estimate standardized by its standard error "
+        "against its baseline (scoring.estimators.cusum), which fires when it exceeds cusum_threshold; the others: "
+        "a level (threshold, drop_fraction).",
+    )
+    threshold: float | None = Field(
+        None,
+        ge=-1e6,
+        le=1e6,
+        allow_inf_nan=False,
+        description="Absolute level the signal must stay above; default per signal: "
+        + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
+        + " (mi_estimate in nats per token).",
+    )
+    drop_fraction: float = Field(0.2, gt=0, le=1, description="Relative drop from the baseline that counts.")
+    cusum_drop: float = Field(
+        0.4,
+        gt=0,
+        le=1,
+        description="mi_cusum: the drop of mi_estimate it is designed to catch, as a share of its baseline (a "
+        "quarter of the prompts collapsing takes about a quarter of the MI).",
+    )
+    cusum_threshold: float = Field(
+        3.0, gt=0, le=1e6, description="mi_cusum: the CUSUM level (in standard errors) above which a step counts."
+    )
+    baseline_steps: int = Field(5, ge=1, le=MAX_WINDOW, description="Scored steps whose median is the baseline.")
+    window: int = Field(
+        2,
+        ge=1,
+        le=MAX_WINDOW,
+        description="Consecutive scored steps a condition must hold to fire (NoReasoning: batches).",
+    )
+    resolve_window: int = Field(2, ge=1, le=MAX_WINDOW, description="Consecutive scored steps without it to resolve.")
+    entropy_signal: Literal["conditional_entropy_est", "token_entropy_mean"] = Field(
+        "conditional_entropy_est", description="The entropy EntropyCollapse watches."
+    )
+    entropy_band: float = Field(
+        0.25, gt=0, lt=1, description="TemplateCollapse needs H(Z|X) no lower than this share below its baseline."
+    )
+    entropy_band_above: float = Field(
+        2.0,
+        gt=0,
+        le=100,
+        description="... and no higher than this share above it. Template reasoning often scores a higher per-token "
+        "entropy than grounded reasoning (it is generic text), so the band is wide upwards.",
+    )
+    entropy_floor: float = Field(0.5, gt=0, lt=1, description="EntropyCollapse fires below this share of baseline.")
+    reward_std_fraction: float = Field(0.1, gt=0, lt=1, description="LowRewardSignal: share of baseline reward std.")
+    reward_window: int = Field(
+        10, ge=1, le=MAX_WINDOW, description="LowRewardSignal: consecutive steps of low reward std."
+    )
+    zero_variance_ratio: float = Field(0.5, gt=0, le=1, description="LowRewardSignal: zero-variance group share.")
+    use_intervals: bool = Field(
+        False,
+        description="Count a step only when the whole bootstrap interval of mi_estimate is below the same relative "
+        "level of its baseline (ignored when the series carries no intervals).",
+    )
+
+    @property
+    def signal_threshold(self) -> float:
+        return self.threshold if self.threshold is not None else SIGNAL_THRESHOLDS[self.signal]
+
+
+# Integers stored in 32-bit columns (steps, seeds, counts) are bounded where they enter, so both
+# databases refuse them alike (Postgres would answer an out-of-range value with an error).
+
+
+class AlertDocument(BaseModel):
+    """An alert episode as receivers (webhooks) and the API see it."""
+
+    rule: RuleName
+    severity: Severity
+    run: str
+    sampler: str
+    state: AlertState
+    onset_step: int
+    fired_step: int | None
+    resolved_step: int | None
+    step: int = Field(description="The last scored step the episode was evaluated at.")
+    value: float | None
+    baseline: float | None
+    threshold: float | None
+    summary: str
+    description: str
+
+
+class DeliveryStatus(BaseModel):
+    """A notification owed to a receiver. A receiver's URL is a credential: only its kind and host are shown."""
+
+    receiver: Literal["webhook", "slack", "alertmanager"]
+    url: str = Field(
+        description="The receiver's scheme and host, e.g. `https://hooks.slack.com/…`: its path (a webhook's "
+        "secret), query and credentials are never shown."
+    )
+    event: Literal["firing", "resolved"]
+    status: Literal["pending", "delivering", "delivered", "failed"]
+    attempts: int
+    last_error: str | None = Field(
+        description="The last try's status and a short reason (at most 200 characters), with URLs and token-like "
+        "strings cut out."
+    )
+    delivered_at: IsoTime | None
+
+
+class AlertResponse(AlertDocument):
+    id: int
+    created_at: IsoTime | None
+    updated_at: IsoTime | None
+    deliveries: list[DeliveryStatus]
