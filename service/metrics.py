@@ -76,6 +76,11 @@ EXPORTED = (
         "Share of the scored rows whose reasoning was cut to the reasoning window (max_reasoning_tokens).",
     ),
     Exported(
+        "planned_rows_ratio",
+        "planned_rows_ratio",
+        "Share of the sampled rows the step's scoring budget let the worker score (1: every row; see plan).",
+    ),
+    Exported(
         "missing_reward_ratio", "missing_reward_ratio", "Share of trajectories sent with a null (missing) reward."
     ),
     Exported(

@@ -69,6 +69,8 @@ def test_a_step_over_its_budget_is_scored_at_the_floors_and_reports_its_plan(dat
         ("trajectory", 1, 0.5),
         ("trajectory", 2, 0.5),
     ]
+    exposition = client.get("/metrics").text  # what a dashboard or an alert on the budget reads
+    assert 'collapse_monitor_planned_rows_ratio{run="hurried",sampler="first_turn"} 0.5' in exposition
 
 
 def test_a_run_without_a_budget_scores_every_row_under_a_service_budget(database_url, client_for):
