@@ -26,7 +26,7 @@ import numpy as np
 from serving import database
 from sqlalchemy import insert, text
 
-from service.storage import queries
+from service.storage import queue
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.tables import Batch, Run, utcnow
 
@@ -84,9 +84,9 @@ def measure(url: str, runs: int, per_run: int, claims: int, tokens: bool = False
     for n in range(claims):
         began = time.perf_counter()
         with sessions.begin() as session:
-            batch = queries.claim_batch(session, "bench#0", 60, max_attempts=3)
+            batch = queue.claim_batch(session, "bench#0", 60, max_attempts=3)
             assert batch is not None
-            queries.finish_batch(session, batch.id, "bench#0", status="done")
+            queue.finish_batch(session, batch.id, "bench#0", status="done")
             claimed = batch.id
         seconds.append(time.perf_counter() - began)
         if claimed == light:

@@ -35,11 +35,19 @@ from service.api.middleware import (
 from service.api.rate_limit import BodyBudget
 from service.api.state import AppState
 from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
-from service.metrics import DiagnosticsCollector, MetricsSnapshot, ServiceMetrics, SnapshotCache
+from service.metrics import (
+    SCORING_SECONDS_BUCKETS,
+    DiagnosticsCollector,
+    MetricsSnapshot,
+    ServiceMetrics,
+    SnapshotCache,
+)
 from service.runtime import Background, Loop
 from service.settings import Settings
-from service.storage import queries
+from service.storage.alerts import active_alerts, delivery_counts
 from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
+from service.storage.points import latest_values
+from service.storage.queue import batch_counts, scoring_stats
 from service.storage.readiness import DatabaseProbe
 
 log = logging.getLogger("collapse_monitor")
@@ -49,12 +57,12 @@ def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
     """What /metrics exports, read in one session (``SnapshotCache`` keeps it for metrics_cache_seconds)."""
     with sessions() as session:
         return MetricsSnapshot(
-            latest=list(queries.latest_values(session)),
-            batches=queries.batch_counts(session),
-            scoring=queries.scoring_stats(session),
-            buckets=queries.SCORING_SECONDS_BUCKETS,
-            alerts=queries.active_alerts(session),
-            deliveries=queries.delivery_counts(session),
+            latest=list(latest_values(session)),
+            batches=batch_counts(session),
+            scoring=scoring_stats(session, SCORING_SECONDS_BUCKETS),
+            buckets=SCORING_SECONDS_BUCKETS,
+            alerts=active_alerts(session),
+            deliveries=delivery_counts(session),
         )
 
 

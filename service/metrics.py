@@ -20,6 +20,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 NAMESPACE = "collapse_monitor"
+SCORING_SECONDS_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)  # the histogram's bounds
 log = logging.getLogger("collapse_monitor.metrics")
 
 
@@ -95,7 +109,7 @@ class MetricsSnapshot:
 
     latest: list[tuple[str, str, str, float, int]]  # run, sampler, name, value, step; recent runs first
     batches: dict[str, int]  # status -> count
-    scoring: dict[str, Any]  # queries.scoring_stats()
+    scoring: dict[str, Any]  # storage.queue.scoring_stats()
     buckets: tuple[float, ...] = field(default=())
     alerts: list[tuple[str, str, str, str, str]] = field(default_factory=list)  # run, sampler, rule, severity, state
     deliveries: list[tuple[str, str, int]] = field(default_factory=list)  # receiver, status, count

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.alerts.notifications import redacted_error, redacted_url
 from service.loops import Backoff, owner_id, poll, retry_through_outage
 from service.settings import Settings
-from service.storage import queries
+from service.storage import alerts
 
 log = logging.getLogger("collapse_monitor.alert_delivery")
 # httpx's timeout of each phase of a POST (connect, write, read, a free connection); a response's
@@ -78,7 +78,7 @@ class Dispatcher:
             with self.sessions.begin() as session:
                 claimed = [
                     (d.id, d.receiver, d.url, d.payload, d.attempts)
-                    for d in queries.claim_deliveries(session, self.owner, LEASE_SECONDS, 1)
+                    for d in alerts.claim_deliveries(session, self.owner, LEASE_SECONDS, 1)
                 ]
             if not claimed:
                 break
@@ -119,7 +119,7 @@ class Dispatcher:
         else:
             status, retry = "pending", retry_delay(attempts, self.settings)
         with self.sessions.begin() as session:
-            if not queries.record_delivery(
+            if not alerts.record_delivery(
                 session, delivery_id, self.owner, status=status, error=error, retry_seconds=retry
             ):
                 log.warning(

@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from service.schemas.alerts import AlertDocument, DeliveryStatus
 from service.schemas.rows import from_row
 from service.settings import Settings
-from service.storage import queries
+from service.storage import clock
 from service.storage.tables import Alert, AlertDelivery, as_utc, iso_time, utcnow
 
 ERROR_CHARS = 200  # of a receiver's error, kept and shown: the status and a short reason
@@ -58,7 +58,7 @@ def notifications(alert: Alert, run: str, event: str, settings: Settings) -> lis
     for delivery in out:
         delivery.status, delivery.attempts = "pending", 0
         # Due at once by the database's clock, which claims compare it with (not this host's).
-        delivery.next_attempt_at = queries.db_time()
+        delivery.next_attempt_at = clock.db_time()
     return out
 
 

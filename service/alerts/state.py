@@ -18,7 +18,7 @@ from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, Series,
 from service.schemas.alerts import AlertSettings, RuleName
 from service.settings import Settings
 from service.snapshot import RunSnapshot
-from service.storage import queries
+from service.storage import alerts, runs
 from service.storage.tables import Alert, utcnow
 
 Event = str  # firing | resolved | refresh (a firing alert re-sent to Alertmanager, which forgets it otherwise)
@@ -86,8 +86,8 @@ def _evaluate(
     config = run.alerts
     if not config.enabled:
         return _Found([])
-    checkpoint = queries.lock_alert_checkpoint(session, run.id, sampler)
-    current, key, names = queries.current_segment(session, run.id), rules_key(config), needed_series(config)
+    checkpoint = alerts.lock_alert_checkpoint(session, run.id, sampler)
+    current, key, names = runs.current_segment(session, run.id), rules_key(config), needed_series(config)
     resumable = (
         checkpoint.state is not None
         and checkpoint.rules_key == key
@@ -96,7 +96,7 @@ def _evaluate(
     )
     found: _Found | None = None
     if resumable:
-        new = _until(queries.alert_series_after(session, run.id, sampler, names, current, checkpoint.step), before)
+        new = _until(alerts.alert_series_after(session, run.id, sampler, names, current, checkpoint.step), before)
         replay = Replay(run.name, sampler, config, checkpoint.state)
         try:
             replay.feed(new)
@@ -104,7 +104,7 @@ def _evaluate(
         except Rewind:
             pass
     if found is None:
-        new = _until(queries.alert_series(session, run.id, sampler, names), before)
+        new = _until(alerts.alert_series(session, run.id, sampler, names), before)
         replay = Replay(run.name, sampler, config)
         replay.feed(new)
         found = _Found(replay.episodes(lost))
@@ -127,10 +127,10 @@ def _reconcile(session: Session, run_id: int, sampler: str, step: int, found: _F
     (the rest cannot have changed: their episodes ended before the checkpoint).
     """
     if found.is_whole:
-        stored = {(a.rule, a.onset_step): a for a in queries.alerts_of(session, run_id, sampler)}
+        stored = {(a.rule, a.onset_step): a for a in alerts.alerts_of(session, run_id, sampler)}
     else:
         onsets = [e.onset_step for e in found.episodes] + [onset for _, onset in found.dropped]
-        stored = {(a.rule, a.onset_step): a for a in queries.alerts_at(session, run_id, sampler, onsets)}
+        stored = {(a.rule, a.onset_step): a for a in alerts.alerts_at(session, run_id, sampler, onsets)}
     events: list[tuple[Alert, Event]] = []
     for episode in found.episodes:
         alert = stored.pop((episode.rule, episode.onset_step), None)

@@ -11,7 +11,7 @@ from service.api.deps import Caller, ReadsRun, State
 from service.ingest.runs import require_run
 from service.schemas.alerts import AlertResponse, AlertState, DeliveryStatus, RuleName
 from service.schemas.rows import from_row
-from service.storage import queries
+from service.storage import alerts
 
 router = APIRouter(tags=["alerts"])
 StateFilter = Annotated[AlertState | None, Query(alias="state", description="Only this state.")]
@@ -30,9 +30,9 @@ def list_alerts(
     access.read([run] if run is not None else None)
     with state.sessions() as session:
         run_id = require_run(session, run).id if run is not None else None
-        rows = queries.list_alerts(session, run_id, alert_state, rule)
+        rows = alerts.list_alerts(session, run_id, alert_state, rule)
         deliveries: dict[int, list[DeliveryStatus]] = {}
-        for d in queries.deliveries_of(session, [a.id for a, _ in rows]):
+        for d in alerts.deliveries_of(session, [a.id for a, _ in rows]):
             deliveries.setdefault(d.alert_id, []).append(delivery_status(d))
         return [
             from_row(AlertResponse, alert, run=run_name, step=alert.last_step, deliveries=deliveries.get(alert.id, []))

@@ -26,8 +26,9 @@ from service.schemas.inputs import (
 )
 from service.schemas.reads import MetricPointOut, MetricSeries
 from service.schemas.results import MatrixAccepted
-from service.storage import queries
-from service.storage.queries import SeriesQuery
+from service.storage import points
+from service.storage import runs as stored_runs
+from service.storage.points import SeriesQuery
 from service.storage.tables import iso_time
 
 # AccessFirst: the body routes check access on the headers, then parse the body off the event loop.
@@ -75,7 +76,7 @@ def create_run(state: State, access: Caller, body: RunCreate, response: Response
 @router.get("", dependencies=[ReadsAll])
 def list_runs(state: State) -> list[RunResponse]:
     with state.sessions() as session:
-        return [runs.run_response(session, run) for run in queries.list_runs(session)]
+        return [runs.run_response(session, run) for run in stored_runs.list_runs(session)]
 
 
 @router.get("/{run}", dependencies=[ReadsRun])
@@ -183,7 +184,7 @@ def metric_series(
     if format == "columns":
         with state.sessions() as session:
             target = runs.require_run(session, run)
-            found, truncated = queries.metric_columns(
+            found, truncated = points.metric_columns(
                 session, SeriesQuery(target.id, wanted, samplers, from_step, to_step, limit, segments == "all")
             )
         series = [
@@ -206,8 +207,8 @@ def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]
     yield b'{"run":' + orjson.dumps(run) + b',"points":['
     separator = b""
     with state.sessions() as session:
-        for chunk in queries.metric_series(session, query):
-            points = [
+        for chunk in points.metric_series(session, query):
+            rows = [
                 {
                     "step": step,
                     "segment": segment,
@@ -220,7 +221,7 @@ def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]
                 }
                 for step, segment, sampler, name, value, scorer, checkpoint, created in chunk
             ]
-            yield separator + orjson.dumps(points)[1:-1]
+            yield separator + orjson.dumps(rows)[1:-1]
             separator = b","
     yield b"]}"
 
@@ -232,7 +233,7 @@ def _csv_body(state: AppState, query: SeriesQuery) -> Iterator[str]:
     writer = csv.writer(out)
     writer.writerow([*CSV_COLUMNS, "segment"] if all_segments else CSV_COLUMNS)
     with state.sessions() as session:
-        for chunk in queries.metric_series(session, query):
+        for chunk in points.metric_series(session, query):
             for step, segment, sampler, name, value, scorer, checkpoint, created in chunk:
                 row = [step, sampler, name, value, scorer, checkpoint, iso_time(created) or ""]
                 writer.writerow([*row, segment] if all_segments else row)

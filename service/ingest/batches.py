@@ -25,7 +25,7 @@ from service.jobs.reward_figures import batch_figures
 from service.schemas.inputs import BatchAccepted, BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled
-from service.storage import queries
+from service.storage import queue, runs
 from service.storage.tables import ScorerLimits
 
 
@@ -67,7 +67,7 @@ def _commit_rollouts(
         found = None if scheduled else reasoning_summary(payload, extraction)
         figures = None if found is None else batch_figures(payload, snapshot, found)
         seconds = time.perf_counter() - started
-        checkpoint = queries.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
+        checkpoint = runs.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
         batch = new_batch(
             run.id,
             payload.step,
@@ -93,5 +93,5 @@ def _commit_rollouts(
             accepted = accepted.model_copy(update={"status": "done"})
         # A run with nothing queued has at most one batch being scored, short of a backlog (pace.BACKLOG): a step
         # finished here skips the pace's reads of the run's history.
-        lag = run_pace(session, run.id).warning(run.name) if scheduled or queries.queue_depth(session, run.id) else None
+        lag = run_pace(session, run.id).warning(run.name) if scheduled or queue.queue_depth(session, run.id) else None
     return accepted, extraction, lag, found

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.errors import Conflict
 from service.ingest.runs import require_run
 from service.schemas.inputs import BatchAccepted
-from service.storage import queries
+from service.storage import queue
 from service.storage.tables import Batch
 
 
@@ -75,9 +75,9 @@ def replay_of(
     (a client that retried after a lost answer).
     """
     if key is None:
-        existing = queries.batch_by_content(session, run_id, step, digest)
+        existing = queue.batch_by_content(session, run_id, step, digest)
         return accepted_answer(existing, replayed=True) if existing is not None else None
-    existing = queries.batch_by_key(session, run_id, key)
+    existing = queue.batch_by_key(session, run_id, key)
     if existing is None:
         return None
     is_purged = existing.payload_purged_at is not None

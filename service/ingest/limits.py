@@ -10,7 +10,7 @@ from service.errors import InvalidRequest, RunQueueFull, TokenQueueFull, TooLarg
 from service.schemas.inputs import BatchIn, TurnWithEntropy
 from service.settings import Settings
 from service.snapshot import is_scheduled
-from service.storage import queries
+from service.storage import queue
 from service.storage.tables import Run, ScorerLimits
 
 
@@ -127,21 +127,21 @@ def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
 def check_queues(session: Session, run: Run, settings: Settings) -> None:
     """429 when this run, or its token's runs, have too many batches waiting (they alone slow down); 503 when
     everyone's queue is full."""
-    queued = queries.queue_depth(session, run.id)
+    queued = queue.queue_depth(session, run.id)
     if queued >= settings.max_queued_per_run:
         raise RunQueueFull(
             f"this run has {queued} batches waiting to be scored, its limit (max_queued_per_run); retry later",
             retry_after=5,
         )
     if run.created_by_token is not None:
-        by_token = queries.token_queue_depth(session, run.created_by_token)
+        by_token = queue.token_queue_depth(session, run.created_by_token)
         if by_token >= settings.max_queued_per_token:
             raise TokenQueueFull(
                 f"the runs of the token that created this run have {by_token} batches waiting to be scored, its "
                 "share (max_queued_per_token); retry later",
                 retry_after=5,
             )
-    if queries.queue_depth(session) >= settings.max_queue_depth:
+    if queue.queue_depth(session) >= settings.max_queue_depth:
         raise Unavailable(
             f"the scoring queue holds {settings.max_queue_depth} batches, its limit; retry later", retry_after=5
         )

@@ -24,7 +24,7 @@ from service.schemas.results import BatchResult, MatrixAccepted
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage.matrices import MatrixRecord
-from service.storage.queries import Point
+from service.storage.points import Point
 from service.storage.tables import Batch
 
 

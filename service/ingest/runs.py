@@ -15,25 +15,25 @@ from service.jobs.checkpoints import resolve_checkpoint
 from service.schemas.inputs import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
 from service.snapshot import BUDGET_KEY, RunSnapshot, run_budget, run_metadata
-from service.storage import deletion, queries, tokens
+from service.storage import deletion, queue, runs, tokens
 from service.storage.tables import Checkpoint, Run
 
 
 def require_run(session: Session, name: str) -> Run:
     """The run called ``name``, or 404."""
-    run = queries.run_by_name(session, name)
+    run = runs.run_by_name(session, name)
     if run is None:
         raise NotFound(f"run {name!r} does not exist; create it with POST /v1/runs", field="run")
     return run
 
 
 def segment_for(session: Session, run: Run | RunSnapshot, step: int, *, matrix_sampler: str | None = None) -> int:
-    """The segment a batch of ``step`` joins (``queries.advance_segment``), or 404 when the run was just deleted.
+    """The segment a batch of ``step`` joins (``runs.advance_segment``), or 404 when the run was just deleted.
 
     The run was read earlier in the transaction; a concurrent ``DELETE /v1/runs/{run}`` may have
     committed since (on Postgres this UPDATE waits for its lock and then finds no row).
     """
-    segment = queries.advance_segment(session, run.id, step, matrix_sampler=matrix_sampler)
+    segment = runs.advance_segment(session, run.id, step, matrix_sampler=matrix_sampler)
     if segment is None:
         raise NotFound(f"run {run.name!r} was deleted while this request was being handled", field="run")
     return segment
@@ -63,8 +63,8 @@ def run_response(session: Session, run: Run) -> RunResponse:
         **run_settings(run).model_dump(),
         id=run.id,
         created_at=run.created_at.isoformat(),
-        last_step=queries.last_step(session, run.id),
-        batches=queries.batch_counts(session, run.id),
+        last_step=runs.last_step(session, run.id),
+        batches=queue.batch_counts(session, run.id),
         scoring_lag=run_pace(session, run.id).warning(run.name),
     )
 
@@ -85,7 +85,7 @@ def create_run(
         )
     try:
         with sessions.begin() as session:
-            existing = queries.run_by_name(session, body.name)
+            existing = runs.run_by_name(session, body.name)
             if existing is not None:
                 _check_same_settings(run_settings(existing), wanted)
                 return run_response(session, existing), False
@@ -111,7 +111,7 @@ def create_run(
             return run_response(session, run), True
     except IntegrityError:  # a concurrent request created the same name after our read: answer as a re-post
         with sessions.begin() as session:
-            existing = queries.run_by_name(session, body.name)
+            existing = runs.run_by_name(session, body.name)
             if existing is None:
                 raise
             _check_same_settings(run_settings(existing), wanted)
@@ -173,7 +173,7 @@ def announce_checkpoint(
             )
     except IntegrityError as e:  # the run's foreign key: a concurrent DELETE /v1/runs/{run} committed first
         with sessions() as session:
-            if queries.run_by_name(session, run_name) is None:
+            if runs.run_by_name(session, run_name) is None:
                 raise NotFound(
                     f"run {run_name!r} was deleted while the checkpoint was being recorded", field="run"
                 ) from e

@@ -28,9 +28,9 @@ from service.alerts.state import update_alerts
 from service.schemas.results import BatchResult, SamplerResult
 from service.settings import Settings
 from service.snapshot import RunSnapshot
-from service.storage import queries
+from service.storage import alerts, points, queue
 from service.storage.matrices import MatrixRecord, save_matrices
-from service.storage.queries import Point
+from service.storage.points import Point
 from service.storage.tables import Batch, MetricPoint, Run
 
 ALL = "all"  # the sampler label of batch-level figures (rewards, coverage)
@@ -100,7 +100,7 @@ def load_emas(session: Session, run_id: int, samplers: Iterable[str]) -> dict[st
     """The EMA state each sampler's next scored step starts from (absent before its first)."""
     emas = {}
     for sampler in samplers:
-        record = queries.ema_state(session, run_id, sampler)
+        record = points.ema_state(session, run_id, sampler)
         if record is not None:
             emas[sampler] = EmaState(record.marginal_std, record.marginal_std_seq)
     return emas
@@ -119,7 +119,7 @@ def finish_done(
     holds it (None: a batch no worker holds, such as the row ingest has just added in this transaction).
 
     False when another worker holds the batch now: the caller must roll back."""
-    finished = queries.finish_batch(
+    finished = queue.finish_batch(
         session,
         batch_id,
         owner,
@@ -140,7 +140,7 @@ def finish_failed(session: Session, batch_id: str, owner: str | None, reason: st
 
     Later steps of its run recorded meanwhile (off the schedule) left their alerts to this batch's
     finish: they are evaluated now."""
-    if not queries.finish_batch(session, batch_id, owner, status="failed", error=reason):
+    if not queue.finish_batch(session, batch_id, owner, status="failed", error=reason):
         return False
     batch = session.get_one(Batch, batch_id)
     run = RunSnapshot.of(session.get_one(Run, batch.run_id))
@@ -161,12 +161,12 @@ def finish_failed(session: Session, batch_id: str, owner: str | None, reason: st
 def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: ScoredBatch, settings: Settings) -> None:
     """Writes a scored batch's points, EMA states and matrices, then re-evaluates the alerts they touch
     (left to an earlier step of the run that still waits, which evaluates through them when it finishes)."""
-    queries.record_points(
+    points.record_points(
         session, run.id, batch.id, batch.step, batch.segment, scored.points, scored.scorer, scored.checkpoint
     )
     step = batch.step
     for sampler, ema in scored.ema.items():
-        queries.save_ema(session, run.id, sampler, step, ema)
+        points.save_ema(session, run.id, sampler, step, ema)
     save_matrices(session, run.id, batch.id, step, scored.matrices)
     samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
     if not run.alerts.enabled:
@@ -197,7 +197,7 @@ def _lock_checkpoints(session: Session, run: RunSnapshot, samplers: Iterable[str
     if session.get_bind().dialect.name != "postgresql":
         return
     for sampler in sorted(set(samplers)):
-        queries.lock_alert_checkpoint(session, run.id, sampler)
+        alerts.lock_alert_checkpoint(session, run.id, sampler)
 
 
 def _first_waiting_step(session: Session, batch: Batch) -> int | None:

@@ -17,7 +17,7 @@ from service.jobs.recording import ALL, ScoredBatch
 from service.schemas.inputs import BatchIn
 from service.schemas.results import BatchResult, RewardResult
 from service.snapshot import RunSnapshot, is_scheduled
-from service.storage.queries import Point
+from service.storage.points import Point
 
 
 def batch_figures(payload: BatchIn, run: RunSnapshot, found: Found | None = None) -> ScoredBatch:

@@ -26,7 +26,7 @@ from service.schemas.inputs import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled, step_budget
 from service.storage.matrices import MatrixRecord
-from service.storage.queries import Point
+from service.storage.points import Point
 
 
 def score_rollouts(

@@ -40,7 +40,7 @@ from service.loops import lease_owner, poll, retry_through_outage, worker_identi
 from service.schemas.inputs import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot
-from service.storage import queries
+from service.storage import queue, runs
 from service.storage.database import outage
 from service.storage.tables import Batch, Checkpoint, Run
 
@@ -189,11 +189,9 @@ class Worker:
             return
         with self.sessions.begin() as session:
             # Own leases first: the predecessors' prefix (the name) matches them too, and they must not count.
-            own = queries.release_leases(session, self.owner, count_attempt=False) if self._release_own else []
+            own = queue.release_leases(session, self.owner, count_attempt=False) if self._release_own else []
             dead = (
-                queries.release_leases(session, f"{self.name}#", count_attempt=True)
-                if self._release_predecessors
-                else []
+                queue.release_leases(session, f"{self.name}#", count_attempt=True) if self._release_predecessors else []
             )
         self._release_own = self._release_predecessors = False
         for batch_id in own:
@@ -208,12 +206,12 @@ class Worker:
 
     def _put_back(self, batch_id: str) -> None:
         with self.sessions.begin() as session:
-            queries.release_leases(session, self.owner, count_attempt=False)
+            queue.release_leases(session, self.owner, count_attempt=False)
         log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
 
     def _claim(self) -> str | None:
         with self.sessions.begin() as session:
-            batch = queries.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
+            batch = queue.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
             return batch.id if batch is not None else None
 
     def _load(self, batch_id: str) -> Claimed:
@@ -254,7 +252,7 @@ class Worker:
             return
         try:
             with self.sessions.begin() as session:
-                queries.record_scorer_limits(session, name, scorer.vocab_size, scorer.max_positions)
+                runs.record_scorer_limits(session, name, scorer.vocab_size, scorer.max_positions)
         except SQLAlchemyError as e:
             if outage(e) is None:
                 raise
@@ -266,7 +264,7 @@ class Worker:
             try:
                 with self.sessions.begin() as session:
                     renewed_at = time.monotonic()
-                    if not queries.renew_lease(session, batch_id, self.owner, self.settings.lease_seconds):
+                    if not queue.renew_lease(session, batch_id, self.owner, self.settings.lease_seconds):
                         log.warning("worker %s lost the lease of batch %s", self.owner, batch_id)
                         lost.set()
                         return

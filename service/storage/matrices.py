@@ -1,6 +1,6 @@
 """Stored cross-scoring matrices: written with a batch's metric points, read back for one step.
 
-Functions of a Session, like ``queries``; callers own the transaction. Must not import fastapi.
+Functions of a Session, like the other table families'; callers own the transaction. Must not import fastapi.
 """
 
 from __future__ import annotations

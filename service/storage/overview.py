@@ -1,6 +1,6 @@
 """Queries behind the runs overview: a few set-wise reads for any number of runs, none per run.
 
-Functions of a Session, like ``queries``; callers own the transaction. Must not import fastapi.
+Functions of a Session, like the other table families'; callers own the transaction. Must not import fastapi.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from datetime import datetime
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from service.storage.queries import driver_cursor
+from service.storage.points import driver_cursor
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, as_utc
 
 

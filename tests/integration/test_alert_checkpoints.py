@@ -14,9 +14,9 @@ from service.jobs.recording import ALL, ScoredBatch, record_step
 from service.schemas.alerts import AlertSettings
 from service.schemas.results import BatchResult, SamplerResult
 from service.snapshot import RunSnapshot
-from service.storage import queries
+from service.storage import runs
 from service.storage.database import make_engine, make_sessions, migrate
-from service.storage.queries import Point
+from service.storage.points import Point
 from service.storage.tables import Alert, AlertCheckpoint, AlertDelivery, Batch, MetricPoint, Run
 from tests.fixtures import model_figures, run_figures
 
@@ -53,7 +53,7 @@ class Service:
         with self.sessions.begin() as session:
             if self.whole_replays:
                 session.execute(delete(AlertCheckpoint))
-            segment = queries.advance_segment(session, self.run.id, step, matrix_sampler=SAMPLER)
+            segment = runs.advance_segment(session, self.run.id, step, matrix_sampler=SAMPLER)
             batch = Batch(
                 id=uuid.uuid4().hex,
                 run_id=self.run.id,

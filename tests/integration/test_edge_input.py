@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from service.storage import queries
+from service.storage import runs
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, Run
 from tests.fixtures import row_count, trajectories
@@ -195,7 +195,7 @@ def test_token_ids_the_scorer_cannot_score_are_refused_once_its_limits_are_known
     assert client.post("/v1/runs/r/batches", json=ids([600])).status_code == 202  # limits not known yet
     engine = make_engine(database_url)
     with make_sessions(engine).begin() as session:
-        queries.record_scorer_limits(session, "tiny-random", vocab_size=512, max_positions=64)
+        runs.record_scorer_limits(session, "tiny-random", vocab_size=512, max_positions=64)
     engine.dispose()
     body = refused(client.post("/v1/runs/r/batches", json=ids([601])), 400, "trajectories[0].turns[0].prompt_token_ids")
     assert body["detail"] == "token id 601 is outside the vocabulary of scorer 'tiny-random' (512 tokens)"

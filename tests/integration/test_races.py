@@ -20,7 +20,7 @@ from service.app import create_app
 from service.ingest.runs import delete_run
 from service.jobs.scorers import ScorerPool
 from service.jobs.worker import Worker
-from service.storage import queries
+from service.storage import alerts, clock, queue
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Alert, AlertDelivery, Batch, MetricPoint, Run, as_utc
 from tests.fixtures import dependence_matrix, trajectories
@@ -70,7 +70,7 @@ def queued(database_url, settings_for):
 def expire_lease(engine: Engine, batch_id: str) -> None:
     """The slow worker's lease runs out (its heartbeat stalled): an hour ago by the database's clock."""
     with make_sessions(engine).begin() as session:
-        session.execute(update(Batch).where(Batch.id == batch_id).values(lease_expires_at=queries.db_time(-3600)))
+        session.execute(update(Batch).where(Batch.id == batch_id).values(lease_expires_at=clock.db_time(-3600)))
 
 
 def stored(engine: Engine, batch_id: str) -> tuple[Batch, int, int]:
@@ -108,7 +108,7 @@ def test_a_claim_of_an_expired_lease_never_overwrites_the_slow_workers_done(queu
 
     def claim() -> None:
         with make_sessions(claim_engine).begin() as session:
-            claimed.append(queries.claim_batch(session, "claimer#1", 300, max_attempts=3))
+            claimed.append(queue.claim_batch(session, "claimer#1", 300, max_attempts=3))
 
     def wait_for_the_slow_worker() -> None:
         claim_has_read.set()
@@ -165,12 +165,13 @@ def test_a_slow_workers_late_finish_never_overwrites_the_claim_that_took_its_bat
 def test_a_lease_is_timed_by_the_database_clock_not_the_claiming_hosts(queued, monkeypatch):
     _, batch_id, engine = queued
     sessions = make_sessions(engine())
-    # This host's clock runs an hour ahead (the clock is what may be faked: it is external).
-    monkeypatch.setattr(queries, "utcnow", lambda: datetime.now(UTC) + timedelta(hours=1))
+    # This host's clock runs an hour ahead (the clock is what may be faked: it is external), should the queue
+    # ever read it.
+    monkeypatch.setattr(queue, "utcnow", lambda: datetime.now(UTC) + timedelta(hours=1), raising=False)
     with sessions.begin() as session:
-        claimed = queries.claim_batch(session, "w#1", 300, max_attempts=3)
+        claimed = queue.claim_batch(session, "w#1", 300, max_attempts=3)
         assert claimed is not None
-        database_now = as_utc(session.scalar(select(queries.db_time())))
+        database_now = as_utc(session.scalar(select(clock.db_time())))
     assert database_now is not None
     started, expires = as_utc(claimed.started_at), as_utc(claimed.lease_expires_at)
     assert started is not None
@@ -178,7 +179,7 @@ def test_a_lease_is_timed_by_the_database_clock_not_the_claiming_hosts(queued, m
     assert (expires - started).total_seconds() == pytest.approx(300, abs=0.01)
     assert abs((started - database_now).total_seconds()) < 60  # not an hour ahead
     with sessions.begin() as session:  # renewed from the database's now too
-        assert queries.renew_lease(session, batch_id, "w#1", 600)
+        assert queue.renew_lease(session, batch_id, "w#1", 600)
         renewed = as_utc(session.scalar(select(Batch.lease_expires_at).where(Batch.id == batch_id)))
     assert renewed is not None
     assert 590 < (renewed - started).total_seconds() < 1200
@@ -209,18 +210,18 @@ def test_a_delivery_recorded_between_a_claims_read_and_write_is_not_taken_back(q
                 payload={},
                 status="pending",
                 attempts=0,
-                next_attempt_at=queries.db_time(),
+                next_attempt_at=clock.db_time(),
             )
         )
     with make_sessions(first_engine).begin() as session:
-        (delivery,) = queries.claim_deliveries(session, "first", 60, 10)
+        (delivery,) = alerts.claim_deliveries(session, "first", 60, 10)
         delivery_id = delivery.id
     with make_sessions(first_engine).begin() as session:  # the first dispatcher's lease runs out mid-send
-        session.execute(update(AlertDelivery).values(next_attempt_at=queries.db_time(-3600)))
+        session.execute(update(AlertDelivery).values(next_attempt_at=clock.db_time(-3600)))
 
     def first_records_delivered() -> None:
         with make_sessions(first_engine).begin() as session:
-            assert queries.record_delivery(
+            assert alerts.record_delivery(
                 session, delivery_id, "first", status="delivered", error=None, retry_seconds=None
             )
 
@@ -228,7 +229,7 @@ def test_a_delivery_recorded_between_a_claims_read_and_write_is_not_taken_back(q
         paused_before(second_engine, "UPDATE ALERT_DELIVERIES", first_records_delivered),
         make_sessions(second_engine).begin() as session,
     ):
-        assert queries.claim_deliveries(session, "second", 60, 10) == []
+        assert alerts.claim_deliveries(session, "second", 60, 10) == []
     with make_sessions(first_engine)() as session:
         stored_delivery = session.get_one(AlertDelivery, delivery_id)
         assert (stored_delivery.status, stored_delivery.attempts, stored_delivery.lease_owner) == ("delivered", 1, None)

@@ -7,7 +7,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.storage import queries
+from service.storage import queue
 from service.storage.tables import Batch
 from tests.fixtures import dependence_matrix, trajectories, wait_for
 
@@ -126,9 +126,9 @@ def test_a_matrix_under_its_own_sampler_never_starts_a_segment_for_the_rollouts(
     for step in (1, 2, 3):  # taken for scoring (claimed) up to step 3
         rollouts(step)
         with sessions.begin() as session:
-            claimed = queries.claim_batch(session, "w#1", 60, max_attempts=3)
+            claimed = queue.claim_batch(session, "w#1", 60, max_attempts=3)
             assert claimed is not None
-            queries.finish_batch(session, claimed.id, "w#1", status="done")
+            queue.finish_batch(session, claimed.id, "w#1", status="done")
     far = dependence_matrix(1_000_000_000, 2.0) | {"sampler": "custom", "batch_id": "far"}
     assert client.post("/v1/runs/mixed/matrices", json=far).status_code == 201
     assert segment_of(rollouts(4)) == 0  # the rollouts' next step: still their segment

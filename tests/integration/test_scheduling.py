@@ -15,7 +15,7 @@ from service.access import issue_token
 from service.app import create_app
 from service.jobs.scorers import ScorerPool
 from service.jobs.worker import Worker
-from service.storage import queries
+from service.storage import queue
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, MetricPoint, Run
 from tests.fixtures import error_body, trajectories
@@ -60,10 +60,10 @@ def test_claims_take_turns_across_runs_so_a_heavy_queue_cannot_starve_a_light_ru
     order = []
     for _ in range(10):
         with sessions.begin() as session:
-            batch = queries.claim_batch(session, "w#1", 60, max_attempts=3)
+            batch = queue.claim_batch(session, "w#1", 60, max_attempts=3)
             assert batch is not None
             order.append(batch.id)
-            assert queries.finish_batch(session, batch.id, "w#1", status="done")
+            assert queue.finish_batch(session, batch.id, "w#1", status="done")
     assert order[:6] == [heavy[0], light[0], heavy[1], light[1], heavy[2], light[2]]
     assert order[6:] == heavy[3:7]  # alone again, the heavy run goes on in step order
 
@@ -84,9 +84,9 @@ def issue(client, scope="ingest"):
 
 def claim_and_finish(sessions) -> Batch:
     with sessions.begin() as session:
-        batch = queries.claim_batch(session, "w#1", 60, max_attempts=3)
+        batch = queue.claim_batch(session, "w#1", 60, max_attempts=3)
         assert batch is not None
-        assert queries.finish_batch(session, batch.id, "w#1", status="done")
+        assert queue.finish_batch(session, batch.id, "w#1", status="done")
         return batch
 
 
@@ -193,7 +193,7 @@ def test_a_worker_restarted_under_its_name_takes_its_batch_back_at_once(database
     alive = Worker(sessions, settings, ScorerPool(settings))  # another worker of this host, busy elsewhere
     assert crashed.name != alive.name
     with sessions.begin() as session:  # the crashed worker had claimed the batch
-        assert queries.claim_batch(session, crashed.owner, 300, max_attempts=3) is not None
+        assert queue.claim_batch(session, crashed.owner, 300, max_attempts=3) is not None
     assert alive.run_once() is False  # not its predecessor's: it waits out the lease
     crashed.close()  # the process died: its name is free
     restarted = Worker(sessions, settings, ScorerPool(settings))
@@ -206,7 +206,7 @@ def test_a_worker_restarted_under_its_name_takes_its_batch_back_at_once(database
     assert (status["status"], status["attempts"]) == ("done", 2)  # the crash counted as an attempt
     # The crashed process's late completion is refused: leases are held under a per-process owner.
     with sessions.begin() as session:
-        assert queries.finish_batch(session, batch_id, crashed.owner, status="done") is False
+        assert queue.finish_batch(session, batch_id, crashed.owner, status="done") is False
 
 
 def test_a_shutdown_abandons_the_batch_at_the_next_layer_and_puts_it_back_uncounted(database_url, paused):

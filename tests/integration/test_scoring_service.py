@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 
 from service.jobs.scorers import ScorerPool
 from service.jobs.worker import Worker
-from service.storage import queries
+from service.storage import queue
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.tables import Batch, EmaRecord, MetricPoint
 from tests.fixtures import trajectories, wait_for
@@ -125,7 +125,7 @@ def test_an_expired_lease_is_claimed_again_and_scored_once(database_url, setting
         client.post("/v1/runs", json={"name": "r", "sampler": {"num_samples": 4}})
         batch_id = post(client, "r", 1)
     with sessions.begin() as session:  # a worker that claims the batch and then dies
-        claimed = queries.claim_batch(session, "dead-worker", 0.3, max_attempts=3)
+        claimed = queue.claim_batch(session, "dead-worker", 0.3, max_attempts=3)
         assert claimed is not None
         assert claimed.id == batch_id
     worker = Worker(sessions, settings, ScorerPool(settings))
@@ -148,7 +148,7 @@ def test_an_expired_lease_is_claimed_again_and_scored_once(database_url, setting
         assert points
     # The dead worker's late completion is refused: it no longer holds the lease.
     with sessions.begin() as session:
-        assert queries.finish_batch(session, batch_id, "dead-worker", status="done") is False
+        assert queue.finish_batch(session, batch_id, "dead-worker", status="done") is False
     engine.dispose()
 
 
@@ -166,9 +166,9 @@ def test_a_batch_interrupted_too_often_is_failed_not_retried_forever(database_ur
         batch_id = post(client, "r", 1)
         for attempt in range(2):
             with sessions.begin() as session:
-                assert queries.claim_batch(session, f"crash-{attempt}", 0.0, max_attempts=2) is not None
+                assert queue.claim_batch(session, f"crash-{attempt}", 0.0, max_attempts=2) is not None
         with sessions.begin() as session:
-            assert queries.claim_batch(session, "third", 0.0, max_attempts=2) is None
+            assert queue.claim_batch(session, "third", 0.0, max_attempts=2) is None
         status = client.get(f"/v1/batches/{batch_id}").json()
     assert status["status"] == "failed"
     assert status["error"] == "scoring was interrupted 2 times (worker crashed or was killed); giving up"
@@ -198,7 +198,7 @@ def test_concurrent_workers_score_every_batch_once_and_each_run_in_step_order(po
     try:
         while time.monotonic() < deadline:
             with sessions() as session:
-                if queries.batch_counts(session).get("done", 0) == len(ids):
+                if queue.batch_counts(session).get("done", 0) == len(ids):
                     break
             time.sleep(0.1)
     finally:

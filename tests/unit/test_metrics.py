@@ -7,13 +7,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from service.metrics import (
     EXPORTED,
+    SCORING_SECONDS_BUCKETS,
     DiagnosticsCollector,
     MetricsSnapshot,
     ServiceMetrics,
     SnapshotCache,
     catalogue_markdown,
 )
-from service.storage.queries import SCORING_SECONDS_BUCKETS
 
 SCORING = {
     "count": 3,

@@ -1,0 +1,123 @@
+"""Runs: lookup, segments (a resumed run's steps going back), scorer limits, checkpoints.
+
+Plain functions of a Session; callers own the transaction (``with session.begin():``). Must not import
+fastapi.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import and_, case, func, or_, select, true, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from service.storage.tables import Batch, Checkpoint, LatestMetric, MetricPoint, Run, ScorerLimits, utcnow
+
+
+def run_by_name(session: Session, name: str) -> Run | None:
+    return session.scalar(select(Run).where(Run.name == name))
+
+
+def list_runs(session: Session) -> Sequence[Run]:
+    return session.scalars(select(Run).order_by(Run.id)).all()
+
+
+def last_step(session: Session, run_id: int) -> int | None:
+    """The newest step with stored figures in the run's current segment (a matrix's included)."""
+    return session.scalar(
+        select(func.max(LatestMetric.step))
+        .join(Run, Run.id == LatestMetric.run_id)
+        .where(LatestMetric.run_id == run_id, LatestMetric.segment == Run.segment)
+    )
+
+
+def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> int | None:
+    """The segment of a batch of ``step`` arriving now (None: the run is gone); ``matrix_sampler`` for a matrix.
+
+    A step below one already taken for scoring starts a new segment (the trainer resumed from an
+    earlier checkpoint, or a script was re-run under the same name); a step that merely arrived
+    out of order, before a later one was scored, stays in the segment and is scored in step
+    order. Each stream of steps is compared with itself only: rollouts with the rollouts taken
+    for scoring (``claimed_step``), a matrix (scored at once) with the newest step of its own
+    sampler's figures in the segment. So a matrix under a sampler name of its own, whatever its
+    step, never starts a segment at the rollouts' next batch; a resume of any stream starts one
+    for the whole run. One UPDATE, so concurrent ingests of a run serialize on its row.
+    """
+    if matrix_sampler is None:
+        resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
+    else:
+        newest = (
+            select(func.max(LatestMetric.step))
+            .where(
+                LatestMetric.run_id == Run.id,
+                LatestMetric.sampler == matrix_sampler,
+                LatestMetric.segment == Run.segment,
+            )
+            .scalar_subquery()
+        )
+        resumes = step < newest  # NULL (not a resume) before the sampler's first figures of the segment
+    segment = session.scalar(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            segment=case((resumes, Run.segment + 1), else_=Run.segment),
+            claimed_step=case((resumes, None), else_=Run.claimed_step),
+        )
+        .returning(Run.segment)
+        .execution_options(synchronize_session=False)
+    )
+    return int(segment) if segment is not None else None
+
+
+def newest_step(column: Any, step: int) -> Any:
+    """``column`` raised to ``step`` (NULL counts as lower): the newest step a run has claimed or recorded."""
+    return case((column.is_(None), step), (column < step, step), else_=column)
+
+
+def segment_ends(session: Session, run_id: int) -> dict[int, int]:
+    """Per superseded segment, the first step a later segment took over (its points from there on are hidden)."""
+    starts = {
+        int(g): int(first)
+        for g, first in session.execute(
+            select(Batch.segment, func.min(Batch.step)).where(Batch.run_id == run_id).group_by(Batch.segment)
+        ).all()
+    }
+    ends = {}
+    for segment in starts:
+        later = [first for other, first in starts.items() if other > segment]
+        if later:
+            ends[segment] = min(later)
+    return ends
+
+
+def _visible(ends: dict[int, int]) -> Any:
+    """The points not superseded by a later segment (every point when the run never resumed)."""
+    if not ends:
+        return true()
+    superseded = [and_(MetricPoint.segment == g, MetricPoint.step < end) for g, end in ends.items()]
+    return or_(MetricPoint.segment.not_in(list(ends)), *superseded)
+
+
+def record_scorer_limits(session: Session, name: str, vocab_size: int, max_positions: int | None) -> None:
+    """What the named scorer can score, as the process that loaded it found (ingest checks token ids)."""
+    values = {"name": name, "vocab_size": vocab_size, "max_positions": max_positions, "updated_at": utcnow()}
+    # An upsert: workers loading the same scorer at once must not collide on the name.
+    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    statement = dialect_insert(ScorerLimits).values(values)
+    session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
+
+
+def latest_checkpoint(session: Session, run_id: int) -> Checkpoint | None:
+    return session.scalar(select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.id.desc()).limit(1))
+
+
+def current_segment(session: Session, run_id: int) -> int:
+    """The run's segment as stored now (a Run loaded earlier in the transaction may predate advance_segment)."""
+    return int(session.scalar(select(Run.segment).where(Run.id == run_id)) or 0)
+
+
+def visible_points(session: Session, run_id: int) -> Any:
+    """The run's points not superseded by a later segment, as a condition on ``MetricPoint``."""
+    return _visible(segment_ends(session, run_id))
