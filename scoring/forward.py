@@ -97,10 +97,18 @@ def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin ([T, heads, D])."""
+    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin ([T, heads, D]).
+
+    Written half by half into one output (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2): no
+    rotated copy of x and no [T, heads, D] temporaries.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:].neg(), x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos[..., :half], out=first).addcmul_(x2, sin[..., :half], value=-1)
+    torch.mul(x2, cos[..., half:], out=second).addcmul_(x1, sin[..., half:])
+    return out
 
 
 def _scatter(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
