@@ -32,7 +32,6 @@ from scoring.forward import CHUNK_BYTES, packed_forward, supports
 from scoring.prefix_tree import PrefixTree
 from scoring.scorer import Scorer
 
-
 # At most this many bytes in a vocabulary projection's logits buffer (reused by every chunk of the
 # call): 512 rows of SmolLM2's vocabulary (96 MiB), 220 of Qwen2.5's.
 LOGITS_BYTES = 128 * 2**20

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, score_batch, score_batch_naive
-from scoring import cross_scores
+from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, cross_scores, score_batch, score_batch_naive
 from scoring.cross_scores import LOGITS_BYTES, logits_chunk_rows
 from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
