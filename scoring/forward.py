@@ -26,11 +26,12 @@ from scoring import cascade
 from scoring.cascade import CascadePlan
 
 FAMILIES = ("llama", "qwen2")
-# At most this many bytes per chunk of a CPU scorer's large temporaries (the MLP's [rows, intermediate]
-# activations here, the vocabulary chunks' logits in ``cross_scores``). glibc's malloc hands out a block
-# over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free, so a larger chunk is
-# page-faulted and zeroed by the kernel again at every chunk and layer: on SmolLM2 512-row vocabulary
-# chunks spent 13-19% of the CPU seconds of long-reasoning --quick in page faults.
+# At most this many bytes per chunk of a CPU scorer's large temporaries allocated afresh at every chunk
+# (the MLP's [rows, intermediate] activations here, the entropy's [rows, V] in ``cross_scores``). glibc's
+# malloc hands out a block over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free,
+# so a larger chunk is page-faulted and zeroed by the kernel again at every chunk and layer: on SmolLM2
+# 512-row vocabulary chunks allocated per chunk spent 13-19% of the CPU seconds of long-reasoning --quick
+# in page faults (the vocabulary chunks now share one buffer, ``cross_scores.LOGITS_BYTES``).
 CHUNK_BYTES = 24 * 2**20
 
 

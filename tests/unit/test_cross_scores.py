@@ -33,6 +33,17 @@ def test_batched_scores_match_pairwise_reference(family, dtype, atol, budget):
     assert_scores_close(fast, naive, atol)
 
 
+@pytest.mark.parametrize("fold_below", [0, 10**9])  # segments attended by the queries in place, or folded
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_segment_attention_in_place_or_folded_matches_pairwise_reference(family, fold_below, monkeypatch):
+    monkeypatch.setattr(cascade, "FOLD_BELOW_QUERIES", fold_below)
+    scorer = tiny_scorer(family, torch.float64)
+    batch = random_batch(seed=1)
+    for budget in (40, 100_000):
+        fast = score_batch(scorer, batch, ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=7))
+        assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=4), 1e-10)
+
+
 def test_micro_batched_reference_equals_one_pair_per_forward(llama64):
     batch = random_batch(seed=2)
     assert_scores_close(
