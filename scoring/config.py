@@ -27,7 +27,7 @@ class ScoringConfig:
         max_batch_tokens: bound on every forward: sequences x (cached + new tokens).
         logits_chunk_tokens: hidden states projected onto the vocabulary per chunk, so no
             [pairs x length x vocab] tensor is ever held; fewer where the chunk's float32 logits
-            would pass ``forward.CHUNK_BYTES`` (128 rows of SmolLM2's vocabulary).
+            would pass ``cross_scores.LOGITS_BYTES`` (128 MiB).
         attention: how a forward attends to shared keys and values (``scoring.cascade``):
             ``packed``, one FlexAttention call per layer; ``cascade``, one call per shared segment
             merged by log-sum-exp; ``auto``, packed on CUDA (where it is compiled) and cascade

@@ -26,11 +26,12 @@ from scoring import cascade
 from scoring.cascade import CascadePlan
 
 FAMILIES = ("llama", "qwen2")
-# At most this many bytes per chunk of a CPU scorer's large temporaries (the MLP's [rows, intermediate]
-# activations here, the vocabulary chunks' logits in ``cross_scores``). glibc's malloc hands out a block
-# over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free, so a larger chunk is
-# page-faulted and zeroed by the kernel again at every chunk and layer: on SmolLM2 512-row vocabulary
-# chunks spent 13-19% of the CPU seconds of long-reasoning --quick in page faults.
+# At most this many bytes per chunk of a CPU scorer's large temporaries allocated afresh at every chunk
+# (the MLP's [rows, intermediate] activations here, the entropy's [rows, V] in ``cross_scores``). glibc's
+# malloc hands out a block over its mmap threshold (at most 32 MiB) as fresh pages and unmaps it on free,
+# so a larger chunk is page-faulted and zeroed by the kernel again at every chunk and layer: on SmolLM2
+# 512-row vocabulary chunks allocated per chunk spent 13-19% of the CPU seconds of long-reasoning --quick
+# in page faults (the vocabulary chunks now share one buffer, ``cross_scores.LOGITS_BYTES``).
 CHUNK_BYTES = 24 * 2**20
 
 
@@ -97,10 +98,18 @@ def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin ([T, heads, D])."""
+    """Rotary embedding, halves convention: x * cos + rotate_half(x) * sin ([T, heads, D]).
+
+    Written half by half into one output (x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2): no
+    rotated copy of x and no [T, heads, D] temporaries.
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:].neg(), x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.empty_like(x)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, cos[..., :half], out=first).addcmul_(x2, sin[..., :half], value=-1)
+    torch.mul(x2, cos[..., half:], out=second).addcmul_(x1, sin[..., half:])
+    return out
 
 
 def _scatter(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, score_batch, score_batch_naive
-from scoring.cross_scores import logits_chunk_rows
-from scoring.forward import CHUNK_BYTES
+from scoring import ScoringBatch, ScoringConfig, ScoringError, cascade, cross_scores, score_batch, score_batch_naive
+from scoring.cross_scores import LOGITS_BYTES, logits_chunk_rows
 from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 
@@ -32,6 +31,17 @@ def test_batched_scores_match_pairwise_reference(family, dtype, atol, budget):
     fast = score_batch(scorer, batch, config)
     naive = score_batch_naive(scorer, batch, temperature=0.7, micro_batch_size=4)
     assert_scores_close(fast, naive, atol)
+
+
+@pytest.mark.parametrize("fold_below", [0, 10**9])  # segments attended by the queries in place, or folded
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_segment_attention_in_place_or_folded_matches_pairwise_reference(family, fold_below, monkeypatch):
+    monkeypatch.setattr(cascade, "FOLD_BELOW_QUERIES", fold_below)
+    scorer = tiny_scorer(family, torch.float64)
+    batch = random_batch(seed=1)
+    for budget in (40, 100_000):
+        fast = score_batch(scorer, batch, ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=7))
+        assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=4), 1e-10)
 
 
 def test_micro_batched_reference_equals_one_pair_per_forward(llama64):
@@ -128,15 +138,17 @@ class _ForwardLog:
     """Records what every forward held (at its first layer's attention) and every vocabulary projection.
 
     Both forwards (transformers' and the kernel's own, ``scoring.forward``) attend through
-    ``scoring.cascade.cascade_attention``, looked up at call time: this log wraps it.
+    ``scoring.cascade.cascade_attention``, and the kernel projects onto the vocabulary through
+    ``cross_scores.vocabulary_projection``, both looked up at call time: this log wraps them.
     """
 
-    def __init__(self, scorer):
+    def __init__(self):
         self.forward_tokens: list[int] = []
         self.head_rows: list[int] = []
         self.attend = cascade.cascade_attention
+        self.projection = cross_scores.vocabulary_projection
         cascade.cascade_attention = self._on_attention
-        self.handle = scorer.model.get_output_embeddings().register_forward_hook(self._on_head)
+        cross_scores.vocabulary_projection = self._on_projection
 
     def _on_attention(self, query, key, value, segments, layer, *args, **kwargs):
         if layer == 0:
@@ -150,18 +162,24 @@ class _ForwardLog:
             self.forward_tokens.append(int((attended + query.shape[2]).sum()))  # [B, heads, Q, D]
         return self.attend(query, key, value, segments, layer, *args, **kwargs)
 
-    def _on_head(self, _module, _args, output):
-        self.head_rows.append(output.shape[0] if output.dim() == 2 else output.shape[0] * output.shape[1])
+    def _on_projection(self, head):
+        project = self.projection(head)
+
+        def logged(hidden, out):
+            self.head_rows.append(hidden.shape[0])
+            return project(hidden, out)
+
+        return logged
 
     def close(self):
         cascade.cascade_attention = self.attend
-        self.handle.remove()
+        cross_scores.vocabulary_projection = self.projection
 
 
 @pytest.mark.parametrize("budget", [30, 64, 500])
 def test_every_forward_stays_within_the_token_budget_and_logits_are_chunked(budget):
     scorer = tiny_scorer("llama", torch.float64)
-    log = _ForwardLog(scorer)
+    log = _ForwardLog()
     try:
         score_batch(scorer, random_batch(seed=6), ScoringConfig(max_batch_tokens=budget, logits_chunk_tokens=16))
     finally:
@@ -239,7 +257,7 @@ def test_trajectory_shaped_batches_match_the_reference_and_run_each_prefix_once(
 @pytest.mark.parametrize("budget", [45, 500])
 def test_trajectory_batches_stay_within_the_token_budget(budget):
     scorer = tiny_scorer("llama", torch.float64)
-    log = _ForwardLog(scorer)
+    log = _ForwardLog()
     try:
         score_batch(
             scorer, trajectory_batch(2, trajectories=4, turns=4, draws=12), ScoringConfig(max_batch_tokens=budget)
@@ -293,9 +311,9 @@ def test_the_packed_flex_attention_path_matches_the_reference(family, shape, bud
 
 
 def test_vocabulary_chunks_keep_their_logits_under_the_byte_bound():
-    assert logits_chunk_rows(512, 49_152) == 128  # SmolLM2: 24 MiB of float32 logits
-    assert logits_chunk_rows(512, 151_936) == 41  # Qwen2.5
+    assert logits_chunk_rows(512, 49_152) == 512  # SmolLM2: 96 MiB of float32 logits
+    assert logits_chunk_rows(512, 151_936) == 220  # Qwen2.5
     assert logits_chunk_rows(7, 49_152) == 7  # a smaller setting is kept
     assert logits_chunk_rows(512, 10**9) == 1  # never zero rows
     for vocab in (512, 49_152, 151_936):
-        assert logits_chunk_rows(10**6, vocab) * 4 * vocab <= CHUNK_BYTES
+        assert logits_chunk_rows(10**6, vocab) * 4 * vocab <= LOGITS_BYTES
