@@ -1,7 +1,6 @@
 """The database's clock as a SQL expression (``db_time``): what leases and delivery times are compared by.
 
-Plain functions of a Session; callers own the transaction (``with session.begin():``). Must not import
-fastapi.
+Must not import fastapi.
 """
 
 from __future__ import annotations
