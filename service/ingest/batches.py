@@ -38,6 +38,7 @@ def ingest_rollouts(
     accepted, extraction, lag, found = _commit_rollouts(sessions, settings, run_name, raw, payload)
     # After the commit: the warnings split every turn (linear in the text, but up to 32 MB of it),
     # which no transaction needs to wait for; a step off the schedule had it split for its figures.
+    found = found or reasoning_summary(payload, extraction)
     warnings = ingest_warnings(payload, extraction, found) + ([lag] if lag else [])
     return accepted.model_copy(update={"warnings": warnings})
 

@@ -70,11 +70,11 @@ def reasoning_summary(payload: BatchIn, extraction: Extraction) -> tuple[Reasoni
 Found = tuple[ReasoningSummary, list[Trajectory]]  # what ``reasoning_summary`` returns
 
 
-def ingest_warnings(payload: BatchIn, extraction: Extraction, found: Found | None = None) -> list[str]:
+def ingest_warnings(payload: BatchIn, extraction: Extraction, found: Found) -> list[str]:
     """What will keep a batch from being scored, said at ingest rather than found in its results.
 
-    ``found``: the batch's ``reasoning_summary`` when the caller has it already (the split is most of the cost)."""
-    summary, presence = found or reasoning_summary(payload, extraction)
+    ``found``: the batch's ``reasoning_summary`` (splitting the turns is most of a post's pure work: once)."""
+    summary, presence = found
     warnings = []
     with_reasoning = sum(1 for t in presence if any(turn.reasoning_ids for turn in t.turns))
     if summary.with_reasoning == 0:

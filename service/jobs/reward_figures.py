@@ -12,7 +12,7 @@ import numpy as np
 
 from scoring.samplers import coverage
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
-from service.jobs.reasoning import Found, reasoning_summary
+from service.jobs.reasoning import Found
 from service.jobs.recording import ALL, ScoredBatch
 from service.schemas.inputs import BatchIn
 from service.schemas.results import BatchResult, RewardResult
@@ -20,13 +20,13 @@ from service.snapshot import RunSnapshot, is_scheduled
 from service.storage.points import Point
 
 
-def batch_figures(payload: BatchIn, run: RunSnapshot, found: Found | None = None) -> ScoredBatch:
+def batch_figures(payload: BatchIn, run: RunSnapshot, found: Found) -> ScoredBatch:
     """What a rollouts batch writes before any cross-scoring: reward/SNR and reasoning-coverage figures and
     the reasoning summary, under the ``all`` sampler; on a step off the run's schedule, all it writes.
 
-    ``found``: the batch's ``reasoning_summary`` when the caller has it already."""
+    ``found``: the batch's ``reasoning_summary`` (ingest needs it too: the turns are split once)."""
     rewards, figures = reward_figures(payload, run.filter)
-    summary, presence = found or reasoning_summary(payload, run.reasoning_extraction)
+    summary, presence = found
     figures.update(coverage(presence))
     figures["truncated_think_ratio"] = summary.truncated_think / summary.turns
     figures["whole_response_turn_ratio"] = summary.whole_response / summary.turns

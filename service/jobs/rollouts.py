@@ -19,7 +19,7 @@ from scoring.scorer import Scorer
 from scoring.window import sequence_limit
 from service.errors import InvalidRequest
 from service.jobs.budget import Budget, ScoringRates
-from service.jobs.reasoning import group_extractions, reasoning_excerpts
+from service.jobs.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
 from service.jobs.recording import ScoredBatch
 from service.jobs.reward_figures import batch_figures
 from service.schemas.inputs import BatchIn
@@ -47,7 +47,7 @@ def score_rollouts(
     A scheduled step counts as scored only when some sampler produced metrics: a batch whose
     turns carry no reasoning says so in ``skipped_reason`` instead.
     """
-    scored = batch_figures(payload, run)
+    scored = batch_figures(payload, run, reasoning_summary(payload, run.reasoning_extraction))
     scheduled = is_scheduled(payload.step, run.score_every)
     if not scheduled:
         return scored

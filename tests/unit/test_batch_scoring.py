@@ -101,6 +101,7 @@ def test_the_run_filter_settings_decide_what_would_be_kept():
 
 
 def test_the_figures_ingest_writes_for_an_off_schedule_step_are_the_workers():
+    from service.jobs.reasoning import reasoning_summary
     from service.jobs.reward_figures import batch_figures
     from service.jobs.rollouts import score_rollouts
     from service.settings import Settings
@@ -122,7 +123,7 @@ def test_the_figures_ingest_writes_for_an_off_schedule_step_are_the_workers():
             "alerts": {},
         }
     )
-    ours = batch_figures(payload, run)
+    ours = batch_figures(payload, run, reasoning_summary(payload, run.reasoning_extraction))
     workers = score_rollouts(payload, run, {}, lambda: pytest.fail("no scorer is needed"), Settings(_env_file=None))
     assert ours.points == workers.points
     assert ours.result == workers.result

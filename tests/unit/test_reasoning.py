@@ -8,6 +8,10 @@ from service.jobs.reasoning import group_extractions, ingest_warnings, reasoning
 from service.schemas.inputs import BatchIn
 
 
+def warnings_of(payload, extraction):
+    return ingest_warnings(payload, extraction, reasoning_summary(payload, extraction))
+
+
 def batch(responses: list[str], rewards: list[float | None] | None = None, **turn: object) -> BatchIn:
     return BatchIn.model_validate(
         {
@@ -72,19 +76,19 @@ def test_reasoning_sent_as_such_is_counted_as_sent():
 
 
 def test_a_batch_that_will_score_nothing_is_answered_with_a_warning_naming_the_fix():
-    [warning] = ingest_warnings(batch(PLAIN), "think_tags")
+    [warning] = warnings_of(batch(PLAIN), "think_tags")
     assert warning == (
         "no turn carries reasoning to score under reasoning_extraction=think_tags: 0 of 4 turns; 1 think blocks "
         "were opened and never closed; the batch will not be cross-scored (send reasoning or set the run's "
         "reasoning_extraction to auto or whole_response)"
     )
-    assert ingest_warnings(batch(PLAIN), "auto") == []
+    assert warnings_of(batch(PLAIN), "auto") == []
 
 
 def test_one_trajectory_with_reasoning_is_not_enough_and_missing_rewards_are_named():
-    assert ingest_warnings(batch(["<think>a</think>", "none"]), "think_tags") == [
+    assert warnings_of(batch(["<think>a</think>", "none"]), "think_tags") == [
         "only 1 trajectory carries reasoning; cross-scoring needs at least 2, so the batch will not be cross-scored"
     ]
-    assert ingest_warnings(batch(["<think>a</think>", "<think>b</think>"], rewards=[None, None]), "auto") == [
+    assert warnings_of(batch(["<think>a</think>", "<think>b</think>"], rewards=[None, None]), "auto") == [
         "all 2 rewards are missing (null): no reward figures"
     ]
