@@ -26,7 +26,6 @@ from service.schemas.inputs import BatchAccepted, BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled
 from service.storage import queue, runs
-from service.storage.tables import ScorerLimits
 
 
 def ingest_rollouts(
@@ -59,7 +58,7 @@ def _commit_rollouts(
             return replay, extraction, None, None
         scheduled = is_scheduled(payload.step, run.score_every)
         check_scoring_cost(payload, run, settings)
-        check_token_ids(payload, session.get(ScorerLimits, run.scorer))
+        check_token_ids(session, payload, run.scorer)
         if scheduled:  # a step off the schedule never waits in the queue
             check_queues(session, run, settings)
         snapshot = RunSnapshot.of(run)

@@ -101,13 +101,17 @@ def _tokens(turn: TurnWithEntropy, window: int | None) -> float:
     return prompt + (reasoning if window is None else min(reasoning, window))
 
 
-def check_token_ids(payload: BatchIn, limits: ScorerLimits | None) -> None:
+def check_token_ids(session: Session, payload: BatchIn, scorer: str) -> None:
     """400 for token ids the run's scorer cannot score: outside its vocabulary (a pair past its context is
     windowed by the worker, not refused).
 
     Known once a worker has loaded the scorer (it records its limits); text is tokenized, and
-    checked, by the worker.
+    checked, by the worker: a batch of text reads no limits.
     """
+    turns = [turn for trajectory in payload.trajectories for turn in trajectory.turns]
+    if not any(turn.prompt_token_ids or turn.reasoning_token_ids for turn in turns):
+        return
+    limits = session.get(ScorerLimits, scorer)
     if limits is None:
         return
     for t, trajectory in enumerate(payload.trajectories):
