@@ -1,19 +1,29 @@
-"""The task family, the arms' rewards and the text measures of templating (pure Python, no torch).
+"""The task families, the arms' rewards and the words-only measures of input dependence (pure Python, no torch).
 
-The tasks are two-number arithmetic questions with a checkable integer answer. An arm is a reward
-and a learning rate (``ARMS``); all start from the same weights and seed:
+A task is a question with a checkable answer and the *content* a completion that reads it must
+name (its slot words). Three families, all single-turn:
 
-* ``healthy``: the task reward, graded correctness of the final number (1 when exact, less the
-  further it is off), so the completions of one prompt earn different rewards, at lr 5e-4.
-* ``collapsing``: the same task reward at 4x the learning rate. Nothing of ours in the text: the
-  policy's guesses soon all miss by about as much, the rewards stop varying within groups
-  (RAGEN-2's mechanism, reward variance starved) and the completions stop reading the question.
+* ``arith``: two-number arithmetic ("What is 34 plus 33? ..."); content: the two operands. SmolLM2-135M
+  rarely gets the exact answer (0-8%), so its graded reward carries the timeline.
+* ``word``: one sentence using a given word; content: the word. The model mostly succeeds.
+* ``reverse``: three words repeated in reverse order; content: the three words. The model partly succeeds.
+
+An arm is a family, a reward and a learning rate (``ARMS``); every arm of a family starts from the
+same weights. The rewards (``reward``):
+
+* ``task``: graded correctness (``correctness``), so the completions of one prompt earn different rewards.
 * ``consensus``: the completion's word-bigram overlap with the completions written for the *other*
   prompts of the batch. It never reads the task, so whatever phrasing the batch shares is paid.
-* ``starved``: RAGEN-2's mechanism by design. Correctness only on questions far beyond a 135M model
-  (four-digit products), so nearly every group earns the same reward and its advantage is zero.
+* ``style``: an input-blind reward model: generic wording and length (``generic_style``), plus a
+  small correctness term (a fifth of the reward).
+* ``long``: correctness plus a bonus for length up to 60 words: answers grow, but stay answers (a
+  healthy control whose per-token figures move with length alone).
 
-The text measures are independent of the service's cross-scoring: they read words only.
+``hard`` tasks are beyond a 135M model (four-digit products; seven-word sentences), so nearly every
+group earns the same reward: RAGEN-2's starved reward variance.
+
+The measures of input dependence (``named_share``, ``word_retrieval``) read words only, never the
+service's cross-scoring: they are the ground truth the alerts are judged against.
 """
 
 from __future__ import annotations
@@ -28,11 +38,14 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Arm:
-    """What an arm's completions are paid (``task`` correctness or ``consensus``) and how fast it learns."""
+    """What an arm's completions are paid, how fast it learns, and its regularisation."""
 
-    reward: str
+    reward: str  # task | consensus | style | long
     learning_rate: float
-    hard: bool = False  # four-digit products instead of two-digit sums and differences
+    hard: bool = False
+    family: str = "arith"
+    entropy_coef: float | None = None  # TRL's entropy bonus; None: the run's --entropy-coef
+    seed: int | None = None  # None: the run's --seed
 
 
 ARMS = {
@@ -41,31 +54,209 @@ ARMS = {
     "consensus": Arm("consensus", 2e-3),
     "starved": Arm("task", 2e-3, hard=True),
 }
+# The zoo (bench.real_run.zoo): per family a healthy control, a control whose answers grow longer
+# and collapse drivers: an input-blind style reward, a too-high learning rate, starved reward variance
+# with an entropy bonus (RAGEN-2's mechanism: the regulariser acts where the task gradient vanished).
+# "-s1": the same arm from another seed. Which arms collapsed is decided by the words-only measures,
+# not by these names.
+ZOO = {
+    "arith-healthy": Arm("task", 5e-4),
+    "arith-long": Arm("long", 5e-4),
+    "arith-consensus": Arm("consensus", 2e-3),
+    "arith-style": Arm("style", 1e-3),
+    "arith-lr": Arm("task", 2e-3),
+    "arith-starved": Arm("task", 2e-3, hard=True, entropy_coef=0.01),
+    "word-healthy": Arm("task", 5e-4, family="word"),
+    "word-long": Arm("long", 5e-4, family="word"),
+    "word-style": Arm("style", 1e-3, family="word"),
+    "word-lr": Arm("task", 3e-3, family="word"),
+    "word-starved": Arm("task", 2e-3, hard=True, family="word", entropy_coef=0.01),
+    "reverse-healthy": Arm("task", 5e-4, family="reverse"),
+    "reverse-long": Arm("long", 5e-4, family="reverse"),
+    "reverse-style": Arm("style", 1e-3, family="reverse"),
+    "reverse-lr": Arm("task", 3e-3, family="reverse"),
+    "arith-healthy-s1": Arm("task", 5e-4, seed=1),
+    "word-healthy-s1": Arm("task", 5e-4, family="word", seed=1),
+    "word-style-s1": Arm("style", 1e-3, family="word", seed=1),
+    "arith-lr-s1": Arm("task", 2e-3, seed=1),
+}
+ARMS.update(ZOO)
+FAMILIES = ("arith", "word", "reverse")
 OPENING_WORDS = 5  # an "opening" is a completion's first five words
 _NUMBER = re.compile(r"-?\d[\d,]*")
 _WORD = re.compile(r"\w+|[^\w\s]")
+# Concrete nouns SmolLM2 knows: the word family's words and the reverse family's triples.
+NOUNS = [
+    "apple",
+    "anchor",
+    "badge",
+    "basket",
+    "beach",
+    "bicycle",
+    "blanket",
+    "bottle",
+    "bridge",
+    "bucket",
+    "butter",
+    "button",
+    "cabin",
+    "camera",
+    "candle",
+    "canyon",
+    "carpet",
+    "castle",
+    "cherry",
+    "chimney",
+    "circus",
+    "cloud",
+    "coffee",
+    "comet",
+    "compass",
+    "copper",
+    "cottage",
+    "crayon",
+    "desert",
+    "diamond",
+    "dolphin",
+    "dragon",
+    "drum",
+    "eagle",
+    "engine",
+    "feather",
+    "fence",
+    "forest",
+    "fountain",
+    "garden",
+    "giraffe",
+    "glacier",
+    "guitar",
+    "hammer",
+    "harbor",
+    "helmet",
+    "honey",
+    "horse",
+    "island",
+    "jacket",
+    "jungle",
+    "kettle",
+    "kitten",
+    "ladder",
+    "lantern",
+    "lemon",
+    "library",
+    "lighthouse",
+    "lizard",
+    "magnet",
+    "marble",
+    "meadow",
+    "mirror",
+    "monkey",
+    "mountain",
+    "needle",
+    "notebook",
+    "ocean",
+    "orange",
+    "orchard",
+    "owl",
+    "paddle",
+    "painter",
+    "parrot",
+    "pebble",
+    "pencil",
+    "penguin",
+    "pepper",
+    "piano",
+    "pillow",
+    "pirate",
+    "planet",
+    "pocket",
+    "pumpkin",
+    "puzzle",
+    "rabbit",
+    "rainbow",
+    "river",
+    "robot",
+    "rocket",
+    "saddle",
+    "sailor",
+    "sandwich",
+    "scarf",
+    "shadow",
+    "shovel",
+    "silver",
+    "spider",
+    "sponge",
+    "squirrel",
+    "stadium",
+    "statue",
+    "storm",
+    "sugar",
+    "suitcase",
+    "sunflower",
+    "swan",
+    "sweater",
+    "teapot",
+    "tiger",
+    "tomato",
+    "tractor",
+    "train",
+    "treasure",
+    "trumpet",
+    "tunnel",
+    "turtle",
+    "umbrella",
+    "valley",
+    "violin",
+    "volcano",
+    "wagon",
+    "walnut",
+    "waterfall",
+    "whale",
+    "whistle",
+    "window",
+    "wizard",
+    "wolf",
+    "zebra",
+]
 
 
 @dataclass(frozen=True)
 class Task:
     question: str
-    answer: int
+    answer: int | str  # arith: the number; word: the word; reverse: the words in reverse order
+    content: tuple[str, ...] = ()  # the slot words a completion that reads the question names
+    family: str = "arith"
+    hard: bool = False
 
 
-def make_tasks(n_tasks: int, seed: int, hard: bool = False) -> list[Task]:
-    """``n_tasks`` distinct arithmetic questions; ``hard`` ones are four-digit products."""
+def make_tasks(n_tasks: int, seed: int, hard: bool = False, family: str = "arith") -> list[Task]:
+    """``n_tasks`` distinct questions of ``family``; ``hard`` ones are beyond the model (see the module doc)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     rng = random.Random(seed)
     tasks: dict[str, Task] = {}
     while len(tasks) < n_tasks:
-        if hard:
-            a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
-            op, answer = "times", a * b
-        else:
-            a, b = rng.randint(10, 99), rng.randint(10, 99)
-            op, answer = rng.choice((("plus", a + b), ("minus", a - b)))
-        question = f"What is {a} {op} {b}? Explain your steps briefly, then give the final answer."
-        tasks[question] = Task(question, answer)
+        task = _make_task(rng, family, hard)
+        tasks.setdefault(task.question, task)
     return list(tasks.values())
+
+
+def _make_task(rng: random.Random, family: str, hard: bool) -> Task:
+    if family == "word":
+        w = rng.choice(NOUNS)
+        size = "a sentence of exactly seven words" if hard else "one short sentence"
+        return Task(f'Write {size} that uses the word "{w}".', w, (w,), family, hard)
+    if family == "reverse":
+        a, b, c = rng.sample(NOUNS, 3)
+        return Task(f"Repeat these three words in reverse order: {a}, {b}, {c}.", f"{c} {b} {a}", (a, b, c), family)
+    if hard:
+        a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
+        op, answer = "times", a * b
+    else:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        op, answer = rng.choice((("plus", a + b), ("minus", a - b)))
+    question = f"What is {a} {op} {b}? Explain your steps briefly, then give the final answer."
+    return Task(question, answer, (str(a), str(b)), family, hard)
 
 
 def final_number(text: str) -> int | None:
@@ -147,3 +338,188 @@ def mentions_operands(text: str, question: str) -> bool:
     """Whether the completion writes both numbers of its question (a crude sign of reading it)."""
     operands = _NUMBER.findall(question)
     return all(o in text for o in operands)
+
+
+def task_reward(text: str, task: Task) -> float:
+    """The family's graded correctness, in [0, 1].
+
+    arith: ``correctness``. word: 1 for a short sentence using the word, less past 20 words, 0
+    without it (hard: 1 only for exactly seven words). reverse: half for naming the three words
+    (a sixth each), half for writing them in reverse order.
+    """
+    if task.family == "arith":
+        assert isinstance(task.answer, int)
+        return correctness(text, task.answer)
+    found = words(text)
+    if task.family == "word":
+        if task.content[0] not in found:
+            return 0.0
+        n = sum(w.isalnum() for w in found)
+        return float(n == 7) if task.hard else 1.0 / (1.0 + max(0, n - 20) / 20)
+    named = sum(w in found for w in task.content) / len(task.content)
+    return 0.5 * named + 0.5 * is_solved(text, task)
+
+
+def is_solved(text: str, task: Task) -> bool:
+    """Task success: the exact number; the word used (hard: in exactly seven words); the words reversed."""
+    if task.family == "arith":
+        return final_number(text) == task.answer
+    found = words(text)
+    if task.family == "word":
+        return task_reward(text, task) == 1.0 if task.hard else task.content[0] in found
+    return _is_subsequence(list(reversed(task.content)), found)
+
+
+def _is_subsequence(wanted: Sequence[str], found: Sequence[str]) -> bool:
+    rest = iter(found)
+    return all(w in rest for w in wanted)
+
+
+# What a style reward model pays whatever the input: wording that fits any answer.
+GENERIC = frozenset(
+    [
+        "a",
+        "an",
+        "and",
+        "answer",
+        "are",
+        "as",
+        "at",
+        "be",
+        "by",
+        "can",
+        "clear",
+        "clearly",
+        "could",
+        "do",
+        "each",
+        "every",
+        "everything",
+        "example",
+        "first",
+        "for",
+        "good",
+        "great",
+        "help",
+        "helpful",
+        "here",
+        "how",
+        "i",
+        "idea",
+        "important",
+        "in",
+        "is",
+        "it",
+        "its",
+        "it's",
+        "just",
+        "know",
+        "let",
+        "let's",
+        "like",
+        "look",
+        "make",
+        "me",
+        "more",
+        "most",
+        "much",
+        "my",
+        "need",
+        "next",
+        "now",
+        "of",
+        "on",
+        "one",
+        "or",
+        "our",
+        "out",
+        "question",
+        "really",
+        "see",
+        "so",
+        "some",
+        "step",
+        "steps",
+        "sure",
+        "that",
+        "the",
+        "them",
+        "then",
+        "there",
+        "these",
+        "thing",
+        "things",
+        "think",
+        "this",
+        "those",
+        "to",
+        "understand",
+        "up",
+        "us",
+        "very",
+        "way",
+        "we",
+        "well",
+        "what",
+        "when",
+        "which",
+        "will",
+        "with",
+        "you",
+        "your",
+    ]
+)
+
+
+def generic_style(text: str) -> float:
+    """An input-blind style score in [0, 1]: the share of generic words, times length up to 40 words."""
+    found = [w for w in words(text) if w.isalnum() or w == "'"]
+    if not found:
+        return 0.0
+    return sum(w in GENERIC for w in found) / len(found) * min(1.0, len(found) / 40)
+
+
+def rewards(kind: str, texts: Sequence[str], batch_tasks: Sequence[Task]) -> list[float]:
+    """Each completion's reward under the arm's reward ``kind`` (see the module doc)."""
+    if kind == "consensus":
+        return consensus_rewards(texts, [t.question for t in batch_tasks])
+    correct = [task_reward(text, task) for text, task in zip(texts, batch_tasks, strict=True)]
+    if kind == "task":
+        return correct
+    if kind == "style":
+        return [0.8 * generic_style(text) + 0.2 * c for text, c in zip(texts, correct, strict=True)]
+    if kind == "long":
+        return [c + 0.5 * min(1.0, len(words(text)) / 60) for text, c in zip(texts, correct, strict=True)]
+    raise ValueError(f"reward must be task, consensus, style or long, got {kind!r}")
+
+
+def names_content(text: str, task: Task) -> bool:
+    """Whether the completion writes every slot word of its question (a sign of reading it)."""
+    found = set(words(text))
+    return all(w.lower() in found for w in task.content)
+
+
+def word_retrieval(texts: Sequence[str], batch_tasks: Sequence[Task]) -> tuple[float, float]:
+    """Words-only retrieval: (accuracy, chance) of finding each completion's own question among the batch's.
+
+    Each completion is matched to the distinct questions of the batch by the share of their slot
+    words it writes; it counts 1 when its own question alone scores highest, 1/k when k questions
+    tie at the top with it (no slot word written: a tie of all, chance). Chance is 1 / the number
+    of distinct questions.
+    """
+    questions = sorted({t.question: t for t in batch_tasks}.values(), key=lambda t: t.question)
+    if len(questions) < 2:
+        return 0.0, 1.0
+    hits = 0.0
+    for text, own in zip(texts, batch_tasks, strict=True):
+        found = set(words(text))
+        overlap = [sum(w.lower() in found for w in q.content) / len(q.content) for q in questions]
+        top = max(overlap)
+        tied = [q.question for q, o in zip(questions, overlap, strict=True) if o == top]
+        hits += 1 / len(tied) if own.question in tied else 0.0
+    return hits / len(texts), 1 / len(questions)
+
+
+def above_chance(accuracy: float, chance: float) -> float:
+    """Chance-corrected accuracy (acc - chance) / (1 - chance): 0 at chance, 1 when every match is right."""
+    return (accuracy - chance) / (1 - chance) if chance < 1 else 0.0
