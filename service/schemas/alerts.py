@@ -5,6 +5,7 @@ The rules themselves are in ``service.alerts.rules``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import (
@@ -21,7 +22,24 @@ RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "No
 AlertState = Literal["pending", "firing", "resolved"]
 Severity = Literal["critical", "warning"]
 MAX_WINDOW = 1000  # scored steps; a replay's saved state holds up to baseline_steps values per series
-SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    """A signal TemplateCollapse can watch: a stored series that falls as input dependence goes."""
+
+    threshold: float  # the absolute level it must stay above (the relative drop may set a higher one)
+    unit: str
+
+
+CUSUM = "mi_cusum"  # not a stored series: the rule's CUSUM of mi_estimate and mi_estimate_se
+# The one registry of signals (``Signal`` names them for the schema; a test keeps the two equal).
+SIGNALS = {
+    "retrieval_above_chance": SignalSpec(0.02, "share of rows"),
+    CUSUM: SignalSpec(0.0, "standard errors (a level it rises above: cusum_threshold)"),
+    "mi_zscore_ema": SignalSpec(0.0, "z"),
+    "mi_estimate": SignalSpec(0.01, "nats per token"),
+}
 Signal = Literal["retrieval_above_chance", "mi_cusum", "mi_zscore_ema", "mi_estimate"]
 
 
@@ -45,7 +63,7 @@ class AlertSettings(BaseModel):
         le=1e6,
         allow_inf_nan=False,
         description="Absolute level the signal must stay above; default per signal: "
-        + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
+        + ", ".join(f"{name} {spec.threshold}" for name, spec in SIGNALS.items() if name != CUSUM)
         + " (mi_estimate in nats per token).",
     )
     drop_fraction: float = Field(0.2, gt=0, le=1, description="Relative drop from the baseline that counts.")
@@ -94,7 +112,7 @@ class AlertSettings(BaseModel):
 
     @property
     def signal_threshold(self) -> float:
-        return self.threshold if self.threshold is not None else SIGNAL_THRESHOLDS[self.signal]
+        return self.threshold if self.threshold is not None else SIGNALS[self.signal].threshold
 
 
 # Integers stored in 32-bit columns (steps, seeds, counts) are bounded where they enter, so both

@@ -274,3 +274,31 @@ def test_intervals_that_appear_after_steps_were_judged_without_them_rewind_the_r
     with pytest.raises(Rewind):
         Replay("r", "s", config, json.loads(json.dumps(replay.state()))).feed(after(history, 8, 10))
     assert evaluate("r", "s", history, config) == []  # with the noise guard none of the steps counts
+
+
+@pytest.mark.parametrize("sampler", ["first_turn", "all"])
+def test_a_saved_state_lacking_a_rule_or_of_another_shape_is_replayed_from_the_start(sampler):
+    config = ZSCORE
+    replay = Replay("r", sampler, config)
+    replay.feed(template_series([4.0] * 6) | {"rollout/in_group_reward_std": steps([0.2] * 6)})
+    state = json.loads(json.dumps(replay.state()))
+    Replay("r", sampler, config, state)  # the state as saved resumes
+    for name in state:  # a rule added since the state was saved must take its baseline from the first steps
+        with pytest.raises(Rewind):
+            Replay("r", sampler, config, {k: v for k, v in state.items() if k != name})
+    reshaped = {name: {**rule, "machine": {**rule["machine"], "latest_inputs": []}} for name, rule in state.items()}
+    with pytest.raises(Rewind):
+        Replay("r", sampler, config, reshaped)
+    renamed_row = {
+        name: {**rule, "machine": {**rule["machine"], "latest_row": {"old": 1.0}}} for name, rule in state.items()
+    }
+    with pytest.raises(Rewind):
+        Replay("r", sampler, config, renamed_row)
+
+
+def test_every_signal_the_schema_accepts_has_a_row_in_the_registry():
+    from typing import get_args
+
+    from service.schemas.alerts import SIGNALS, Signal
+
+    assert set(get_args(Signal)) == set(SIGNALS)
