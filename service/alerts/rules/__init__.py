@@ -57,7 +57,7 @@ RULES = (
 # In a checkpoint's key (``service.alerts.state.rules_key``): a state saved by other rules is not resumed.
 # Bump it when a rule judges differently; a saved state lacking a rule, or whose shape changed, is replayed
 # from the start anyway (``Rewind``).
-RULES_VERSION = 2
+RULES_VERSION = 3
 
 
 class Replay:
@@ -81,7 +81,7 @@ class Replay:
             entry.kind(run, sampler, config, None if state is None else state[entry.name]) for entry in entries
         ]
         self.resolved: list[Episode] = []
-        self.dropped: list[tuple[RuleName, int]] = []
+        self.dropped: list[Episode] = []  # pending episodes whose condition broke before they fired
         self.tails = [rule.m.tail for rule in self.rules]
 
     def feed(self, series: Series) -> None:
@@ -90,7 +90,7 @@ class Replay:
         for rule in self.rules:
             resolved, dropped = rule.feed(records)
             self.resolved += resolved
-            self.dropped += [(rule.name, onset) for onset in dropped]
+            self.dropped += dropped
 
     def episodes(self, lost: Sequence[int] | None = None) -> list[Episode]:
         """The episodes this replay touched, oldest first per rule: the one that ended at a rule's newest

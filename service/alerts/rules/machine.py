@@ -1,7 +1,7 @@
 """What every rule shares: the episode it reports, the resumable state machine, and the rule's contract.
 
     condition holds ──▶ pending ──(holds `window` consecutive steps)──▶ firing
-    pending ──(condition fails)──▶ dropped (never fired)
+    pending ──(condition fails)──▶ dropped (never fired: kept as a record, nothing is notified)
     firing ──(condition fails `resolve_window` consecutive steps)──▶ resolved
 
 A rule reads one row per step (a typed ``Row`` of the figures it needs) and keeps everything it
@@ -52,9 +52,12 @@ class Span:
     last: int
     n_rows: int  # the rule's rows from the onset to the last step, both included
     n_held: int  # ... of which the condition held
+    is_dropped: bool = False  # a pending episode whose condition broke before it fired (last: its last held step)
 
     @property
     def state(self) -> AlertState:
+        if self.is_dropped:
+            return "dropped"
         return "resolved" if self.resolved is not None else "firing" if self.fired is not None else "pending"
 
 
@@ -98,6 +101,7 @@ class Machine:
     streaks: list[int] = field(default_factory=lambda: [0, 0])
     latest: int | None = None  # step of the rule's newest row
     latest_row: dict[str, Any] | None = None
+    held: dict[str, Any] | None = None  # the pending episode's newest row, told if the episode drops
     tail: dict[str, Any] | None = None  # the episode resolved at the newest row (re-described while it is)
     heads: dict[str, list[float]] = field(default_factory=dict)  # first baseline_steps values per series
     pending: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
@@ -113,9 +117,10 @@ class Machine:
 
     def advance(
         self, step: int, hold: bool, ready: bool, row: dict[str, Any], resolve_window: int
-    ) -> tuple[Span | None, int | None]:
-        """One row through the state machine: (the episode it resolved, the onset of the pending one it dropped)."""
-        self.latest, self.latest_row = step, row
+    ) -> tuple[Span | None, tuple[Span, dict[str, Any]] | None]:
+        """One row through the state machine: (the episode it resolved, the pending one it dropped with its
+        last held row)."""
+        previous, self.latest, self.latest_row = self.latest, step, row
         if self.onset is not None and self.fired is not None:
             self.n_rows, self.n_held = self.n_rows + 1, self.n_held + hold
             self.clear = 0 if hold else self.clear + 1
@@ -128,10 +133,14 @@ class Machine:
             if self.onset is None:
                 self.onset, self.n_rows, self.n_held = step, 0, 0
             self.n_rows, self.n_held = self.n_rows + 1, self.n_held + 1
+            self.held = row
             if ready:
-                self.fired = step
+                self.fired, self.held = step, None
             return None, None
-        dropped, self.onset = self.onset, None
+        if self.onset is None or self.held is None or previous is None:
+            return None, None
+        span = Span(self.onset, None, None, previous, self.n_rows, self.n_held, is_dropped=True)
+        dropped, self.onset, self.held = (span, self.held), None, None
         return None, dropped
 
     def open_span(self) -> Span | None:
@@ -188,12 +197,12 @@ class Rule(Generic[RowT, StateT]):
     def figures(self, span: Span, row: RowT) -> Figures:
         raise NotImplementedError
 
-    def feed(self, records: Records) -> tuple[list[Episode], list[int]]:
-        """Advances over a feed: (episodes resolved in it, onsets of pending episodes dropped)."""
+    def feed(self, records: Records) -> tuple[list[Episode], list[Episode]]:
+        """Advances over a feed: (episodes resolved in it, pending episodes dropped in it)."""
         m = self.m
         m.pending += [(step, asdict(row)) for step, row in self.absorb(records)]
         resolved: list[Episode] = []
-        dropped: list[int] = []
+        dropped: list[Episode] = []
         if not self.ready_to_judge() or not m.pending:
             return resolved, dropped
         rows, m.pending = m.pending, []
@@ -202,7 +211,7 @@ class Rule(Generic[RowT, StateT]):
             hold, ready = self.judge(row)
             span, gone = m.advance(step, hold, ready, values, self.config.resolve_window)
             if gone is not None:
-                dropped.append(gone)
+                dropped.append(self.episode(gone[0], self.Row(**gone[1])))
             if span is not None:
                 resolved.append(self.episode(span, row))
         m.tail = _episode_state(resolved[-1]) if resolved and resolved[-1].last_step == m.latest else None
@@ -241,8 +250,9 @@ class Rule(Generic[RowT, StateT]):
             machine = Machine(**saved["machine"])
             own = self.State(**saved["rule"])
             machine.pending = [(int(step), dict(row)) for step, row in machine.pending]  # JSON made them lists
-            if machine.latest_row is not None:
-                self.Row(**machine.latest_row)  # its fields must fit
+            for row in (machine.latest_row, machine.held):
+                if row is not None:
+                    self.Row(**row)  # its fields must fit
             for _, row in machine.pending:
                 self.Row(**row)
         except (KeyError, TypeError, ValueError) as e:  # a state saved by rules of another shape

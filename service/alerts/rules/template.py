@@ -19,7 +19,7 @@ from service.alerts.rules.machine import Figures, Records, Rewind, Rule, Span, l
 from service.schemas.alerts import CUSUM, SIGNALS, AlertSettings
 
 CUSUM_SE_FLOOR = 0.05  # share of the MI baseline: a standard error is never taken as smaller
-MI, SE, CI, ENTROPY = "mi_estimate", "mi_estimate_se", "mi_estimate_ci_high", "conditional_entropy_est"
+MI, SE, CI = "mi_estimate", "mi_estimate_se", "mi_estimate_ci_high"
 
 TEMPLATE_ADVICE = (
     "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "
@@ -61,22 +61,23 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
 
     @staticmethod
     def needs(config: AlertSettings) -> tuple[str, ...]:
-        return (*((config.signal,) if config.signal != CUSUM else ()), MI, SE, CI, ENTROPY)
+        return (*((config.signal,) if config.signal != CUSUM else ()), MI, SE, CI, SIGNALS[config.signal].entropy)
 
     def absorb(self, records: Records) -> list[tuple[int, TemplateRow]]:
         m, s, config, cumulative = self.m, self.s, self.config, self.config.signal == CUSUM
-        names = {MI, ENTROPY} | (set() if cumulative else {config.signal})
+        entropy_name = SIGNALS[config.signal].entropy
+        names = {MI, entropy_name} | (set() if cumulative else {config.signal})
         rows: list[tuple[int, TemplateRow]] = []
         for step, values in records:
             for name in names & values.keys():
                 m.head(name, values[name], config)
             s.has_intervals = s.has_intervals or CI in values
             if not cumulative:
-                signal, entropy = values.get(config.signal), values.get(ENTROPY)
+                signal, entropy = values.get(config.signal), values.get(entropy_name)
                 if signal is not None and entropy is not None:
                     rows.append((step, TemplateRow(signal, entropy, values.get(CI), values.get(MI))))
             elif MI in values and SE in values and not s.cusum_dead:
-                s.cusum_rows.append([step, values[SE], values.get(ENTROPY), values.get(CI), values[MI]])
+                s.cusum_rows.append([step, values[SE], values.get(entropy_name), values.get(CI), values[MI]])
         return rows + self._cusum_rows() if cumulative else rows
 
     def _cusum_rows(self) -> list[tuple[int, TemplateRow]]:
@@ -115,7 +116,8 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
     def ready_to_judge(self) -> bool:
         m, config = self.m, self.config
         cumulative = config.signal == CUSUM
-        signal_base, entropy_base = m.baseline(config.signal, config), m.baseline(ENTROPY, config)
+        signal_base = m.baseline(config.signal, config)
+        entropy_base = m.baseline(SIGNALS[config.signal].entropy, config)
         if signal_base is None or entropy_base is None:
             return False
         mi_base = m.baseline(MI, config)
