@@ -100,8 +100,13 @@ class Follower:
     def pending(self, now: float | None = None) -> list[StepUnit]:
         """Complete steps not sent yet (or changed since), in step order."""
         now = time.time() if now is None else now
-        found = self.units()
-        stats = [_stat(unit) for unit in found]
+        found, stats = [], []
+        for unit in self.units():
+            try:
+                stats.append(_stat(unit))
+            except FileNotFoundError:  # removed since listed (a trainer rotating its dumps): gone for us too
+                continue
+            found.append(unit)
         ready = []
         for position, (unit, (size, mtime_ns)) in enumerate(zip(found, stats)):
             record = self.done.get(unit.key)

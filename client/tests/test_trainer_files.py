@@ -206,3 +206,30 @@ def test_follow_writes_the_stop_file_and_runs_the_command_when_the_alert_fires(s
     assert stop_file.read_text().startswith("TemplateCollapse on sampler")
     assert "firing at step 3" in stop_file.read_text()
     assert ran.read_text() == "TemplateCollapse firing 3"
+
+
+def test_files_that_do_not_hold_what_the_trainer_writes_are_named_with_their_field(tmp_path, capsys):
+    roll = tmp_path / "rollout_dump_data.step_3.jsonl"
+    roll.write_text(json.dumps({"id": ["a", "b"], "prompt": ["x"], "responses": ["r1", "r2"], "scores": [1, 0]}) + "\n")
+    assert main(["send", str(roll), "--run", "r", "--url", "http://127.0.0.1:9", "--spool-dir", str(tmp_path)]) == 2
+    assert "ROLL column prompt must be a list of 2 values, got 1" in capsys.readouterr().err
+
+    episode = tmp_path / "rollouts" / "step_4" / "train" / "effective" / "traces.jsonl"
+    episode.parent.mkdir(parents=True)
+    record = {"task": {"key": "t"}, "group": {"id": "g"}, "traces": [{"nodes": [
+        {"parent": 1, "message": {"role": "user", "content": "q"}},
+        {"parent": 0, "message": {"role": "assistant", "content": "a"}, "sampled": True},
+    ]}]}  # fmt: skip
+    episode.write_text(json.dumps(record) + "\n")
+    assert main(["send", str(episode), "--run", "r", "--url", "http://127.0.0.1:9", "--spool-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "traces.jsonl:1: not a verifiers episode record as prime-rl writes it" in err
+    assert "or the graph has a cycle" in err
+
+    areal = tmp_path / "rollout" / "2" / "7.jsonl"
+    areal.parent.mkdir(parents=True)
+    areal.write_text(
+        json.dumps({"task_id": [7], "sample_idx": 0, "prompt": "p", "completion": "c", "reward": 1}) + "\n"
+    )
+    assert main(["send", str(areal), "--run", "r", "--url", "http://127.0.0.1:9", "--spool-dir", str(tmp_path)]) == 2
+    assert "7.jsonl:1: task_id must be an integer or a string, got [7]" in capsys.readouterr().err
