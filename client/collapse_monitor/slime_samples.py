@@ -106,32 +106,38 @@ def _field(sample: Any, name: str) -> Any:
 
 
 def _ids(value: Any) -> list[int]:
-    tolist = getattr(value, "tolist", None)
+    tolist = getattr(value, "tolist", None)  # a tensor or an array: one C call
     value = tolist() if callable(tolist) else value
-    return [int(v) for v in value or []]
+    return (
+        list(value) if isinstance(value, list) and all(type(v) is int for v in value) else [int(v) for v in value or []]
+    )
 
 
 def _turns(sample: Any, token_ids: bool, decode: Decode | None, where: str) -> list[dict[str, Any]]:
-    tokens = _ids(_field(sample, "tokens"))
     n_response = int(_field(sample, "response_length") or 0)
+    raw_mask = _field(sample, "loss_mask")
+    if raw_mask is None:
+        runs = [(0, n_response)] if n_response else []
+    else:
+        mask = _ids(raw_mask)
+        if len(mask) != n_response:
+            raise ValueError(f"{where}: loss_mask has {len(mask)} values for {n_response} response tokens")
+        runs = _model_runs(mask)
+    if not runs:
+        return []
+    if not token_ids and runs == [(0, n_response)]:  # one turn, sent as the text slime holds: no ids needed
+        prompt = _field(sample, "prompt")
+        text = render_plain(prompt) if is_conversation(prompt) else ("" if prompt is None else str(prompt))
+        return [{"prompt": text, "response": str(_field(sample, "response") or "")}]
+    tokens = _ids(_field(sample, "tokens"))
     if n_response > len(tokens):
         raise ValueError(f"{where}: response_length {n_response} exceeds its {len(tokens)} tokens")
     prompt_ids, response_ids = tokens[: len(tokens) - n_response], tokens[len(tokens) - n_response :]
-    mask = _ids(_field(sample, "loss_mask")) if _field(sample, "loss_mask") is not None else [1] * n_response
-    if len(mask) != n_response:
-        raise ValueError(f"{where}: loss_mask has {len(mask)} values for {n_response} response tokens")
-    runs = _model_runs(mask)
-    if not runs:
-        return []
     if token_ids:
         return [
             {"prompt_token_ids": prompt_ids + response_ids[:start], "reasoning_token_ids": response_ids[start:end]}
             for start, end in runs
         ]
-    if runs == [(0, n_response)]:
-        prompt = _field(sample, "prompt")
-        text = render_plain(prompt) if is_conversation(prompt) else ("" if prompt is None else str(prompt))
-        return [{"prompt": text, "response": str(_field(sample, "response") or "")}]
     if decode is None:
         raise ValueError(
             f"{where}: a multi-turn sample (tool tokens between model tokens) is decoded turn by turn with the "
