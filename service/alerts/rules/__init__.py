@@ -156,9 +156,3 @@ def settings_table() -> str:
         meaning = (setting.description or "").replace("|", "\\|")
         lines.append(f"| `{name}` | {shown} | {meaning} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.stdout.write(settings_table())
