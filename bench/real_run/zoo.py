@@ -123,15 +123,11 @@ def batch_of(step: dict[str, Any]) -> dict[str, Any]:
 
 
 def score(arms: list[str], cache_dir: Path) -> None:
-    """Scores every recorded step of ``arms`` through the service's own scoring (module docstring)."""
-    import numpy as np
+    """Scores every recorded step of ``arms`` through the service's own scoring (module docstring).
 
+    Several ``score`` processes can run at once: each takes an arm under a lock file."""
     from scoring import load_scorer
-    from service.jobs import rollouts
-    from service.schemas.alerts import AlertSettings
-    from service.schemas.inputs import BatchIn, FilterSettings
     from service.settings import Settings
-    from service.snapshot import RunSnapshot
 
     class ZooSettings(Settings):
         def scoring_config(self, model: str, temperature: float = 1.0) -> Any:
@@ -140,6 +136,47 @@ def score(arms: list[str], cache_dir: Path) -> None:
 
     settings = ZooSettings(_env_file=None, cache_dir=cache_dir, scoring_budget_seconds=0, threads=1)
     scorer = load_scorer(settings.scoring_config("smollm2-135m"), cache_dir)
+    for arm in arms:
+        if scored_path(arm).exists() or not record_path(arm).exists():
+            continue
+        lock = scored_path(arm).with_suffix(".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.touch(exist_ok=False)
+        except FileExistsError:  # another score process has this arm
+            continue
+        try:
+            started = time.monotonic()
+            steps = score_arm(arm, scorer, settings)
+            with gzip.open(scored_path(arm), "wt") as f:
+                json.dump({"arm": arm, "steps": steps}, f)
+            print(json.dumps({"arm": arm, "scored_seconds": round(time.monotonic() - started, 1)}), flush=True)
+        finally:
+            lock.unlink()
+
+
+def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
+    """One arm's recorded steps through ``score_rollouts``: per step its points and matrices."""
+    import numpy as np
+
+    from service.jobs import rollouts
+    from service.schemas.alerts import AlertSettings
+    from service.schemas.inputs import BatchIn, FilterSettings
+    from service.snapshot import RunSnapshot
+
+    run = RunSnapshot(
+        id=0,
+        name=f"zoo-{arm}",
+        scorer="smollm2-135m",
+        scorer_mode="reference",
+        score_every=1,
+        samplers=("first_turn",),
+        num_samples=None,
+        seed=0,
+        temperature=1.0,
+        filter=FilterSettings().model_dump(),
+        alerts=AlertSettings(),
+    )
     kernel = rollouts.score_batch
     seen: list[tuple[Any, Any]] = []  # (batch, CrossScores) of the step being scored
 
@@ -148,56 +185,36 @@ def score(arms: list[str], cache_dir: Path) -> None:
         seen.append((batch, cross))
         return cross
 
-    for arm in arms:
-        if scored_path(arm).exists() or not record_path(arm).exists():
-            continue
-        started = time.monotonic()
-        run = RunSnapshot(
-            id=0,
-            name=f"zoo-{arm}",
-            scorer="smollm2-135m",
-            scorer_mode="reference",
-            score_every=1,
-            samplers=("first_turn",),
-            num_samples=None,
-            seed=0,
-            temperature=1.0,
-            filter=FilterSettings().model_dump(),
-            alerts=AlertSettings(),
-        )
-        emas: dict[str, Any] = {}
-        steps = []
-        for record in read_record(arm):
-            seen.clear()
-            rollouts.score_batch = recording  # type: ignore[assignment]  # the bench keeps what the service drops
-            try:
-                scored = rollouts.score_rollouts(
-                    BatchIn.model_validate(batch_of(record)), run, emas, lambda: scorer, settings
-                )
-            finally:
-                rollouts.score_batch = kernel
-            emas.update(scored.ema)
-            points: dict[str, dict[str, float]] = {}
-            for point in scored.points:
-                points.setdefault(point.sampler, {})[point.name] = point.value
-            ((batch, cross),) = seen
-            signature = estimators.column_signatures(batch.column_prompts, batch.n_columns)
-            steps.append(
-                {
-                    "step": record["step"],
-                    "points": points,
-                    "L_seq": np.round(cross.L_seq, 6).tolist(),
-                    "L_head": {str(k): np.round(cross.L_head[k], 6).tolist() for k in HEADS},
-                    "lengths": cross.reasoning_lengths.tolist(),
-                    "column_of_row": list(batch.column_of_row),
-                    "signature": signature.tolist(),
-                    "reasonings": [list(z) for z in batch.reasonings],
-                }
+    emas: dict[str, Any] = {}
+    steps = []
+    for record in read_record(arm):
+        seen.clear()
+        rollouts.score_batch = recording  # type: ignore[assignment]  # the bench keeps what the service drops
+        try:
+            scored = rollouts.score_rollouts(
+                BatchIn.model_validate(batch_of(record)), run, emas, lambda: scorer, settings
             )
-        scored_path(arm).parent.mkdir(parents=True, exist_ok=True)
-        with gzip.open(scored_path(arm), "wt") as f:
-            json.dump({"arm": arm, "steps": steps}, f)
-        print(json.dumps({"arm": arm, "scored_seconds": round(time.monotonic() - started, 1)}), flush=True)
+        finally:
+            rollouts.score_batch = kernel
+        emas.update(scored.ema)
+        points: dict[str, dict[str, float]] = {}
+        for point in scored.points:
+            points.setdefault(point.sampler, {})[point.name] = point.value
+        ((batch, cross),) = seen
+        signature = estimators.column_signatures(batch.column_prompts, batch.n_columns)
+        steps.append(
+            {
+                "step": record["step"],
+                "points": points,
+                "L_seq": np.round(cross.L_seq, 6).tolist(),
+                "L_head": {str(k): np.round(cross.L_head[k], 6).tolist() for k in HEADS},
+                "lengths": cross.reasoning_lengths.tolist(),
+                "column_of_row": list(batch.column_of_row),
+                "signature": signature.tolist(),
+                "reasonings": [list(z) for z in batch.reasonings],
+            }
+        )
+    return steps
 
 
 def main() -> None:
