@@ -6,10 +6,11 @@ Reads the zoo (``bench.real_run.zoo``: each arm's recorded steps and the service
 and judges every TemplateCollapse signal against an independent, words-only ground truth:
 
 * **Ground truth** per step: word retrieval above chance (``tasks.word_retrieval``: each completion
-  matched to the batch's questions by the slot words it writes, chance-corrected). Its baseline is
-  the mean of steps 1-3; an arm **collapsed** at the first step from 4 on where the ground truth is
-  below half its baseline and stays there the next step (or it is the last step). An arm that never
-  does is healthy, whatever its driver was meant to do.
+  matched to the batch's questions by the slot words it writes, chance-corrected). Its level is the
+  mean over every step of the family's healthy control (``<family>-healthy``: every arm of a family
+  starts from the same weights); an arm **collapsed** at the first step from 2 on where the ground
+  truth is below half that level and stays there the next step (or it is the last step). An arm
+  that never does is healthy, whatever its driver was meant to do.
 * **Signals**: each candidate is the service's own rule (``service.alerts.rules.evaluate``) on the
   arm's stored series, with the run defaults but for the signal (and the variants named in
   ``CANDIDATES``); head budgets other than the service's are computed from the stored head sums with
@@ -46,6 +47,14 @@ SERVICE_HEAD = 32  # the head budget the zoo's service computed (Settings.head_t
 # (label, AlertSettings fields, which series: "service" as stored, or "head@k" with the head budget k)
 CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
     ("retrieval_above_chance (default)", {}, "service"),
+    ("retrieval_above_chance, baseline 3", {"baseline_steps": 3}, "service"),
+    (
+        "retrieval_chance_corrected, baseline 3",
+        {"signal": "retrieval_chance_corrected", "baseline_steps": 3},
+        "service",
+    ),
+    ("mi_estimate, baseline 3", {"signal": "mi_estimate", "baseline_steps": 3}, "service"),
+    ("mi_head_excess k=32, baseline 3", {"signal": "mi_head_excess", "baseline_steps": 3}, "head@32"),
     ("mi_cusum", {"signal": "mi_cusum"}, "service"),
     ("mi_estimate", {"signal": "mi_estimate"}, "service"),
     ("mi_zscore_ema", {"signal": "mi_zscore_ema"}, "service"),
@@ -79,15 +88,18 @@ CORRELATED = (  # series whose Spearman with task success and the ground truth i
 )
 
 
-def crossing(truth: Sequence[float]) -> int | None:
-    """The 1-based step at which the ground truth fell below half its baseline for good (module docstring)."""
-    if len(truth) < 4:
-        return None
-    half = 0.5 * float(np.mean(truth[:3]))
-    for i in range(3, len(truth)):
+def crossing(truth: Sequence[float], level: float) -> int | None:
+    """The 1-based step at which the ground truth fell below half ``level`` for good (module docstring)."""
+    half = 0.5 * level
+    for i in range(1, len(truth)):
         if truth[i] < half and (i + 1 == len(truth) or truth[i + 1] < half):
             return i + 1
     return None
+
+
+def family_level(family: str) -> float:
+    """The ground truth's level: its mean over the steps of the family's healthy control."""
+    return float(np.mean([s[GROUND_TRUTH] for s in zoo.read_record(f"{family}-healthy")]))
 
 
 def step_series(
@@ -167,7 +179,7 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
     for arm in arms:
         record, scored = zoo.read_record(arm), zoo.read_scored(arm)
         truth = [s[GROUND_TRUTH] for s in record]
-        cross = crossing(truth)
+        cross = crossing(truth, family_level(tasks.ZOO[arm].family))
         sources = {source for _, _, source in CANDIDATES}
         series = {source: step_series(scored, source) for source in sources}
         out[arm] = {

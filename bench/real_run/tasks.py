@@ -42,9 +42,10 @@ class Arm:
 
     reward: str  # task | consensus | style | long
     learning_rate: float
-    hard: bool = False
+    hard: float = 0.0  # the share of hard tasks (True: all)
     family: str = "arith"
     entropy_coef: float | None = None  # TRL's entropy bonus; None: the run's --entropy-coef
+    beta: float = 0.0  # TRL's KL weight against the starting weights (the LoRA's base)
     seed: int | None = None  # None: the run's --seed
 
 
@@ -79,6 +80,8 @@ ZOO = {
     "word-healthy-s1": Arm("task", 5e-4, family="word", seed=1),
     "word-style-s1": Arm("style", 1e-3, family="word", seed=1),
     "arith-lr-s1": Arm("task", 2e-3, seed=1),
+    # RAGEN-2's regularisation at the paper's weights (entropy 0.003, KL 0.0003) on tasks without reward spread.
+    "arith-starved-paper": Arm("task", 2e-3, hard=True, entropy_coef=0.003, beta=3e-4),
 }
 ARMS.update(ZOO)
 FAMILIES = ("arith", "word", "reverse")
@@ -229,14 +232,15 @@ class Task:
     hard: bool = False
 
 
-def make_tasks(n_tasks: int, seed: int, hard: bool = False, family: str = "arith") -> list[Task]:
-    """``n_tasks`` distinct questions of ``family``; ``hard`` ones are beyond the model (see the module doc)."""
+def make_tasks(n_tasks: int, seed: int, hard: float = 0.0, family: str = "arith") -> list[Task]:
+    """``n_tasks`` distinct questions of ``family``; a ``hard`` share of them beyond the model (module doc)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     rng = random.Random(seed)
     tasks: dict[str, Task] = {}
     while len(tasks) < n_tasks:
-        task = _make_task(rng, family, hard)
+        # Only a mix draws which tasks are hard: all-easy and all-hard task lists stay as they were.
+        task = _make_task(rng, family, hard >= 1 or (hard > 0 and rng.random() < hard))
         tasks.setdefault(task.question, task)
     return list(tasks.values())
 

@@ -233,7 +233,7 @@ def train(args: argparse.Namespace) -> None:
         max_steps=args.steps,
         learning_rate=args.learning_rate or arm.learning_rate,
         lr_scheduler_type="constant",
-        beta=0.0,
+        beta=arm.beta,
         entropy_coef=args.entropy_coef if arm.entropy_coef is None else arm.entropy_coef,
         temperature=1.0,
         logging_steps=1,
