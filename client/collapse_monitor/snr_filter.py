@@ -19,29 +19,19 @@ This is a pure-Python copy of ``scoring/snr_filter.py`` (the client runs where n
 sums are taken in numpy's pairwise order and float32 steps are rounded as numpy rounds them, so the
 two copies agree bit for bit; tests/unit/test_snr_filter_copies.py fails when they do not.
 
-``FilterEngagement`` decides when the filter acts: from the start (``engage="always"``), or from the
-step after an alert of ``rules`` entered one of ``states`` (``engage="on_alert"``), fed by the
-monitor's alert watcher in the background and read on the training thread. Must not import the
-integrations, httpx, numpy or torch.
+When the filter acts (``engage``) is ``collapse_monitor.engagement``'s. Must not import the integrations,
+httpx, numpy or torch.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import struct
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from collapse_monitor.alerts import STATES, AlertEvent, check_filters
-
-if TYPE_CHECKING:
-    from collapse_monitor.alerts import AlertWatcher
-    from collapse_monitor.monitor import Monitor
-
-logger = logging.getLogger("collapse_monitor")
+from collapse_monitor.alerts import STATES, check_filters
 
 VARIANTS = ("ragen", "upstream")
 STRATEGIES = {"ragen": ("top_p", "top_k", "top_k_abs", "min_p"), "upstream": ("top_p", "top_k")}
@@ -181,24 +171,25 @@ class Selection:
         return [g for g, keep in enumerate(self.kept) if keep]
 
     def figures(self, engaged: bool) -> dict[str, float]:
-        """The step's series: what the step trained on (every group when the filter was not engaged).
-
-        ``rollout/chosen_in_group_reward_std`` is the mean reward std of the kept groups (0 when none
-        is kept, as RAGEN reports it); ``rollout/dropped_in_group_reward_std`` that of the dropped
-        ones, absent when none was dropped.
-        """
-        return step_figures([self], engaged)
+        """The step's series when this batch was its only one (see ``step_figures``)."""
+        return step_figures([(self, engaged)])
 
 
-def step_figures(selections: Sequence[Selection], engaged: bool) -> dict[str, float]:
-    """The series of a step that trained on the generation batches ``selections`` (usually one)."""
-    kept = [k or not engaged for s in selections for k in s.kept]
-    spreads = [x for s in selections for x in s.spreads]
-    sizes = [n for s in selections for n in s.sizes]
+def step_figures(batches: Sequence[tuple[Selection, bool]]) -> dict[str, float]:
+    """The series of a step that trained on these generation batches (usually one), each with whether the
+    filter was engaged for it: what the step trained on, every group of a batch the filter did not act on.
+
+    ``rollout/filter_engaged`` is 1 when the filter acted on any of them; ``rollout/chosen_in_group_reward_std``
+    the mean reward std of the kept groups (0 when none is kept, as RAGEN reports it);
+    ``rollout/dropped_in_group_reward_std`` that of the dropped ones, absent when none was dropped.
+    """
+    kept = [k or not engaged for s, engaged in batches for k in s.kept]
+    spreads = [x for s, _ in batches for x in s.spreads]
+    sizes = [n for s, _ in batches for n in s.sizes]
     chosen = [x for x, k in zip(spreads, kept) if k]
     dropped = [x for x, k in zip(spreads, kept) if not k]
     figures = {
-        ENGAGED: 1.0 if engaged else 0.0,
+        ENGAGED: 1.0 if any(engaged for _, engaged in batches) else 0.0,
         KEPT_COUNT: float(len(chosen)),
         KEPT_RATIO: len(chosen) / len(kept) if kept else 0.0,
         KEPT_ROWS: float(sum(n for n, k in zip(sizes, kept) if k)),
@@ -207,96 +198,6 @@ def step_figures(selections: Sequence[Selection], engaged: bool) -> dict[str, fl
     if dropped:
         figures[DROPPED_SPREAD] = _mean(dropped)
     return figures
-
-
-class FilterEngagement:
-    """Whether the filter acts now: from the start, or from the step after a chosen alert state.
-
-    With ``engage="on_alert"`` it is an alert callback (``Monitor.on_alert``, or ``watch``): the
-    watcher's thread only queues events; ``update(step)``, on the training thread, reads the queue
-    (no network call) and engages the filter at the first event of the filter's ``rules`` in one of
-    its ``states``. Once engaged it stays engaged. Each engagement is logged and kept in ``history``
-    as ``(training step, event)``.
-    """
-
-    def __init__(self, snr_filter: SNRFilter) -> None:
-        self.snr_filter = snr_filter
-        self.engaged = snr_filter.engage == "always"
-        self.history: list[tuple[int, AlertEvent]] = []
-        self.watcher: AlertWatcher | None = None
-        self._queue: deque[AlertEvent] = deque()  # appended by the watcher thread, read by the training thread
-
-    @classmethod
-    def watch(cls, monitor: Monitor, snr_filter: SNRFilter, interval: float = 10.0) -> FilterEngagement:
-        """An engagement fed by its own watcher of ``monitor``'s alerts (none for ``engage="always"``)."""
-        engagement = cls(snr_filter)
-        if snr_filter.engage == "on_alert":
-            engagement.watcher = monitor.on_alert(
-                engagement, rules=snr_filter.rules, states=snr_filter.states, interval=interval
-            )
-        return engagement
-
-    def __call__(self, event: AlertEvent) -> None:
-        self._queue.append(event)
-
-    def wants(self, event: AlertEvent) -> bool:
-        rules = self.snr_filter.rules
-        return event.state in self.snr_filter.states and (rules is None or event.rule in rules)
-
-    def update(self, step: int) -> AlertEvent | None:
-        """Reads what the watcher queued; returns the event that engaged the filter now, if one did."""
-        engaging = None
-        while self._queue:
-            event = self._queue.popleft()
-            if self.engaged or not self.wants(event):
-                continue
-            self.engage(step, event)
-            engaging = event
-        return engaging
-
-    def engage(self, step: int, event: AlertEvent) -> None:
-        """Engages the filter from the next generation batch on, because of ``event``."""
-        self.engaged = True
-        self.history.append((step, event))
-        f = self.snr_filter
-        logger.warning(
-            "collapse-monitor: %s (alert %d): SNR filter engaged at training step %d (%s %s %g)",
-            event.describe(),
-            event.alert_id,
-            step,
-            f.variant,
-            f.strategy,
-            f.value,
-        )
-
-    def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-
-
-def fan_out(*callbacks: Callable[[AlertEvent], object]) -> Callable[[AlertEvent], None]:
-    """One alert callback calling each of ``callbacks``: one watcher serves them all."""
-
-    def deliver(event: AlertEvent) -> None:
-        for callback in callbacks:
-            callback(event)
-
-    return deliver
-
-
-def union_filters(
-    *filters: tuple[Iterable[str] | None, Iterable[str]],
-) -> tuple[frozenset[str] | None, frozenset[str]]:
-    """The (rules, states) a shared watcher must deliver for every ``(rules, states)`` pair (rules None: all)."""
-    rules: set[str] | None = set()
-    states: set[str] = set()
-    for wanted_rules, wanted_states in filters:
-        states |= set(wanted_states)
-        if wanted_rules is None or rules is None:
-            rules = None
-        else:
-            rules |= set(wanted_rules)
-    return (None if rules is None else frozenset(rules)), frozenset(states)
 
 
 # The selections ---------------------------------------------------------------------------------

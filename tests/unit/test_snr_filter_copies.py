@@ -210,7 +210,7 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_by_both_copies(variant)
 
 def test_the_step_figures_count_kept_groups_rows_and_the_spread_of_kept_and_dropped():
     selection = SNRFilter(value=0.9).select([[0, 1], [0, 3], [5, 5, 5]])  # keeps groups 0 and 1
-    figures = step_figures([selection], engaged=True)
+    figures = step_figures([(selection, True)])
     assert figures == {
         "rollout/filter_engaged": 1.0,
         "rollout/filter_kept_count": 2.0,
@@ -220,7 +220,7 @@ def test_the_step_figures_count_kept_groups_rows_and_the_spread_of_kept_and_drop
         "rollout/dropped_in_group_reward_std": 0.0,
     }
     # Not engaged: the step trained on every group, and nothing was dropped.
-    idle = step_figures([selection], engaged=False)
+    idle = selection.figures(engaged=False)
     assert (idle["rollout/filter_engaged"], idle["rollout/filter_kept_ratio"], idle["rollout/filter_kept_rows"]) == (
         0.0,
         1.0,

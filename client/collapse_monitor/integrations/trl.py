@@ -53,9 +53,17 @@ from transformers import TrainerCallback
 
 from collapse_monitor.alerts import AlertActions
 from collapse_monitor.conversations import assistant_turns, is_conversation
+from collapse_monitor.engagement import FilterEngagement, fan_out, union_filters
+from collapse_monitor.integrations.trl_filter import TRLSNRFilter, install_snr_filter
 from collapse_monitor.monitor import Monitor
+from collapse_monitor.snr_filter import FIGURE_NAMES, SNRFilter
 
 logger = logging.getLogger("collapse_monitor")
+
+# Logs that are no training step's: an evaluation's, and the summary at the end of training (train_runtime, ...).
+NOT_STEP_LOGS = ("eval_", "train_")
+# TRL's names of figures RAGEN and verl name otherwise: sent under RAGEN's name.
+RAGEN_NAMES = {"entropy": "actor/entropy"}
 
 
 @dataclass
@@ -80,24 +88,46 @@ def attach(
     stop_on: Collection[str] = (),
     rules: Iterable[str] | None = ("TemplateCollapse",),
     alert_poll_seconds: float = 10.0,
+    snr_filter: SNRFilter | None = None,
 ) -> CollapseMonitorCallback:
     """Sends ``trainer``'s generation batches to ``monitor``; returns the callback it added.
 
     Call it after building the trainer and before ``train()``, on every process. ``save_on`` and
     ``stop_on`` (alert states: pending, firing, resolved) save a checkpoint and stop training when
-    an alert of ``rules`` (None: every rule) enters them; see the module docstring.
+    an alert of ``rules`` (None: every rule) enters them; see the module docstring. ``snr_filter``
+    installs the SNR filter (``collapse_monitor.integrations.trl_filter``); with ``engage="on_alert"``
+    it acts from the step after an alert of its ``rules`` entered one of its ``states``.
+
+    Raises:
+        TypeError: not a TRL GRPOTrainer or RLOOTrainer.
+        ValueError: a setting that cannot work, named (alert states, the filter's needs).
     """
     for name in ("reward_funcs", "num_generations", "processing_class", "state", "accelerator"):
         if not hasattr(trainer, name):
             raise TypeError(f"attach() needs a TRL GRPOTrainer or RLOOTrainer; {type(trainer).__name__} has no {name}")
-    actions = None
-    if save_on or stop_on:
-        actions = AlertActions(save_on=save_on, stop_on=stop_on, rules=rules)
-        if trainer.accelerator.is_main_process:
-            actions.watcher = monitor.on_alert(
-                actions, rules=actions.rules, states=actions.states, interval=alert_poll_seconds
-            )
-    callback = CollapseMonitorCallback(trainer, monitor, token_ids, announce_checkpoints, flush_timeout, actions)
+    actions = AlertActions(save_on=save_on, stop_on=stop_on, rules=rules) if save_on or stop_on else None
+    snr = None
+    if snr_filter is not None:
+        snr = install_snr_filter(trainer, snr_filter, FilterEngagement(snr_filter))
+    watched: list[tuple[Any, tuple[Iterable[str] | None, Iterable[str]]]] = []
+    if actions is not None:
+        watched.append((actions, (actions.rules, actions.states)))
+    if snr is not None and snr_filter is not None and snr_filter.engage == "on_alert":
+        watched.append((snr.engagement, (snr_filter.rules, snr_filter.states)))
+    if watched and trainer.accelerator.is_main_process:
+        # One watcher for the save, stop and filter decisions: one poll of the run's alerts serves them all.
+        wanted_rules, wanted_states = union_filters(*(wanted for _, wanted in watched))
+        watcher = monitor.on_alert(
+            fan_out(*(callback for callback, _ in watched)),
+            rules=wanted_rules,
+            states=wanted_states,
+            interval=alert_poll_seconds,
+        )
+        for callback, _ in watched:
+            callback.watcher = watcher
+    callback = CollapseMonitorCallback(
+        trainer, monitor, token_ids, announce_checkpoints, flush_timeout, actions, snr_filter=snr
+    )
     trainer.add_callback(callback)
     return callback
 
@@ -113,9 +143,13 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         announce_checkpoints: bool | None = None,
         flush_timeout: float = 10.0,
         alert_actions: AlertActions | None = None,
+        snr_filter: TRLSNRFilter | None = None,
     ) -> None:
         self.trainer = trainer
         self.alert_actions = alert_actions
+        self.snr_filter = snr_filter
+        self._sent_step: int | None = None  # the step of the last batch sent: logged figures join it
+        self._warned_unsent = False
         self.monitor = monitor
         self.token_ids = token_ids
         self.announce_checkpoints = (
@@ -191,6 +225,8 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
             self._act_on_alerts(state, control)
 
     def _send(self, state: Any) -> None:
+        # Every rank takes its filter's figures (all computed the same ones from the gathered rewards).
+        figures = self.snr_filter.take_figures() if self.snr_filter is not None else None
         if not self._generations:
             return
         generations, self._generations = self._generations, []
@@ -201,7 +237,31 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
             rows = gather_object(rows)  # concatenated in process order, as TRL gathers its rewards
         if not state.is_world_process_zero:
             return
-        self.monitor.log(state.global_step, trajectories(rows, self.trainer.num_generations))
+        self.monitor.log(state.global_step, trajectories(rows, self.trainer.num_generations), figures=figures)
+        self._sent_step = state.global_step
+
+    def on_log(self, _args: Any, state: Any, _control: Any, logs: dict[str, Any] | None = None, **_kwargs: Any) -> None:
+        """Sends what TRL logged for the step (its losses, rewards, the policy's entropy) beside the step's batch."""
+        if not state.is_world_process_zero or not logs or any(name.startswith(NOT_STEP_LOGS) for name in logs):
+            return
+        figures = {
+            RAGEN_NAMES.get(name, name): value
+            for name, value in logs.items()
+            if name not in FIGURE_NAMES and _is_number(value)
+        }
+        if not figures:
+            return
+        if self._sent_step != state.global_step:
+            # TRL reuses a generation batch for num_iterations > 1 steps: no batch of this step to join.
+            if not self._warned_unsent:
+                self._warned_unsent = True
+                logger.warning(
+                    "collapse-monitor: TRL logged step %d, which sent no batch (a generation batch reused across "
+                    "steps, num_iterations > 1): logged figures are sent only for steps that sent a batch",
+                    state.global_step,
+                )
+            return
+        self.monitor.figures(state.global_step, figures)
 
     def _act_on_alerts(self, state: Any, control: Any) -> None:
         """Applies what the alerts asked since the last step; every rank does the same as the main one."""
@@ -298,6 +358,10 @@ def trajectories(rows: list[dict[str, Any]], num_generations: int) -> list[dict[
         }
         for i, row in enumerate(rows)
     ]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_async(func: Any) -> bool:
