@@ -141,8 +141,10 @@ class SNRFilter:
         """``include_zero`` as given, else the variant's default (RAGEN True, upstream False)."""
         return self.include_zero if self.include_zero is not None else self.variant == "ragen"
 
-    def select(self, rewards: Sequence[Sequence[float]]) -> Selection:
+    def select(self, rewards: Sequence[Sequence[float]], rows: Sequence[int] | None = None) -> Selection:
         """The groups to keep among ``rewards`` (one list of finite rewards per group).
+
+        ``rows``: each group's rows, when some carry no reward (default: its number of rewards).
 
         Raises:
             ValueError: no group, an empty group, or a reward that is not a finite number (leave a
@@ -155,12 +157,13 @@ class SNRFilter:
             kept = set(_ragen_select(groups, spreads, self))
         else:
             kept = set(_upstream_select(groups, self))
-        return Selection(tuple(g in kept for g in range(len(groups))), spreads, tuple(len(g) for g in groups))
+        sizes = tuple(rows) if rows is not None else tuple(len(g) for g in groups)
+        return Selection(tuple(g in kept for g in range(len(groups))), spreads, sizes)
 
 
 @dataclass(frozen=True)
 class Selection:
-    """One batch's groups: which the filter keeps, their reward std (n-1, 0 for one reward), their sizes."""
+    """One batch's groups: which the filter keeps, their reward std (n-1, 0 for one reward), their rows."""
 
     kept: tuple[bool, ...]
     spreads: tuple[float, ...]

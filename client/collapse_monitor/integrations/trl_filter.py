@@ -126,7 +126,8 @@ class TRLSNRFilter:
         for i, (total, missing) in enumerate(zip(totals, unscorable)):
             if not missing and math.isfinite(total):
                 groups[i // n].append(float(total))
-        selection = self.snr_filter.select([g or [0.0] for g in groups])  # an all-unscorable group: no spread
+        # An all-unscorable group has no spread: one reward 0 says so under both variants.
+        selection = self.snr_filter.select([g or [0.0] for g in groups], rows=[n] * len(groups))
         engaged = self._engaged()
         self._selections.append((selection, engaged))
         first = trainer.accelerator.process_index * n_local
