@@ -237,3 +237,57 @@ def test_settings_the_filter_cannot_work_with_are_refused_at_install_naming_them
         install_snr_filter(trainer, KEEP_TWO)
     with pytest.raises(TypeError, match="needs a TRL GRPOTrainer or RLOOTrainer; object has no _calculate_rewards"):
         install_snr_filter(object(), KEEP_TWO)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("one_thread")
+def test_a_rollback_stops_at_firing_and_training_resumes_from_the_pending_checkpoint_with_the_filter_engaged(
+    service, run_name, tmp_path
+):
+    """TemplateCollapse pending at step 1 (checkpoint-2 saved at the end of step 2), firing at 2: training stops at
+    the end of step 3 and resumes from checkpoint-2, as TRL resumes, with the filter engaged from then on."""
+    from collapse_monitor.integrations.trl import attach
+
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE, strict=True)
+    args = grpo_config(tmp_path / "out", max_completion_length=8, max_steps=4, save_strategy="no")
+    trainer = paced_trainer(monitor, args, ROOMS)
+    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert", states=("resolved",))  # not before
+    callback = attach(
+        trainer,
+        monitor,
+        snr_filter=snr_filter,
+        save_on=("pending",),
+        rollback_on=("firing",),
+        alert_poll_seconds=0.1,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 3
+    checkpoint = callback.take_rollback()
+    assert checkpoint == str(tmp_path / "out" / "checkpoint-2")
+    assert callback.take_rollback() is None  # handed back once
+    assert callback.snr_filter is not None
+    [(step, event)] = callback.snr_filter.engagement.history
+    assert (step, event.rule, event.state) == (3, "TemplateCollapse", "firing")
+
+    trainer.train(resume_from_checkpoint=checkpoint)
+    assert trainer.state.global_step == 4
+    assert monitor.flush(60)
+    # Steps 3 and 4 again, from the checkpoint: the service keeps the resumed history as the run's current one.
+    assert [b["step"] for b in service.payloads(run_name)] == [1, 2, 3, 3, 4]
+    engaged = {p["step"]: p["value"] for p in monitor.metrics(["rollout/filter_engaged"], sampler="trainer")}
+    assert engaged == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}
+    monitor.close()
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+def test_a_rollback_needs_the_filter_and_a_checkpoint_saved_at_pending(service, run_name, tmp_path, policy):
+    from collapse_monitor.integrations.trl import attach
+
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, enabled=False)
+    trainer = make_trainer("grpo", policy, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"rollback_on resumes training with the SNR filter engaged: pass snr_filter"):
+        attach(trainer, monitor, save_on=("pending",), rollback_on=("firing",))
+    with pytest.raises(ValueError, match="add 'pending' to save_on"):
+        attach(trainer, monitor, snr_filter=KEEP_TWO, rollback_on=("firing",))
+    with pytest.raises(ValueError, match="states must be among pending, firing, resolved, got burning"):
+        attach(trainer, monitor, snr_filter=KEEP_TWO, save_on=("pending",), rollback_on=("burning",))
