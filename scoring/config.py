@@ -32,6 +32,9 @@ class ScoringConfig:
             ``packed``, one FlexAttention call per layer; ``cascade``, one call per shared segment
             merged by log-sum-exp; ``auto``, packed on CUDA (where it is compiled) and cascade
             elsewhere (compiled FlexAttention on CPU costs ~26 s per compile and is no faster).
+        head_tokens: reasoning budgets k for which the kernel also sums the log-probs of each
+            reasoning's first min(T_r, k) tokens (``CrossScores.L_head``), at no extra forward:
+            input dependence measured where a reasoning answers its prompt, whatever follows.
     """
 
     model: str = "tiny-random"
@@ -41,6 +44,7 @@ class ScoringConfig:
     max_batch_tokens: int = 16384
     logits_chunk_tokens: int = 512
     attention: Attention = "auto"
+    head_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -53,5 +57,7 @@ class ScoringConfig:
             raise ValueError(f"dtype must be one of float32, bfloat16, float16, float64; got {self.dtype!r}")
         if self.attention not in ("auto", "packed", "cascade"):
             raise ValueError(f"attention must be one of auto, packed, cascade; got {self.attention!r}")
+        if any(k < 1 for k in self.head_tokens):
+            raise ValueError(f"head_tokens must all be >= 1, got {self.head_tokens}")
         if self.device != "auto" and not self.device.startswith(("cpu", "cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")

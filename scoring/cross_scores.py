@@ -18,7 +18,7 @@ Must not import service/.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -51,12 +51,15 @@ class CrossScores:
         token_entropy: R arrays of [T_r] float64: entropy of the full next-token distribution at
             each reasoning position of the matched pair (row r under its own prompt).
         tokens_processed: tokens that went through the model (padding excluded).
+        L_head: per head budget k (``ScoringConfig.head_tokens``), [R, N] float64: the sum over
+            z_r's first min(T_r, k) tokens only.
     """
 
     L_seq: np.ndarray
     reasoning_lengths: np.ndarray
     token_entropy: tuple[np.ndarray, ...]
     tokens_processed: int
+    L_head: dict[int, np.ndarray] = field(default_factory=dict)
 
     @property
     def L_tok(self) -> np.ndarray:
@@ -98,6 +101,7 @@ def score_batch(
         reasoning_lengths=batch.reasoning_lengths,
         token_entropy=tuple(run.entropy),
         tokens_processed=run.tokens_processed,
+        L_head={k: L[:, prompt_of_column] for k, L in run.L_head.items()},
     )
 
 
@@ -244,6 +248,7 @@ class _Run:
         self.computed: dict[int, Segment] = {}  # tree node -> its keys and values, seen by every row below it
         self.joined: dict[tuple[int, ...], Segment] = {}  # nodes -> their keys and values, concatenated
         self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
+        self.L_head = {k: np.zeros_like(self.L) for k in config.head_tokens}  # k -> [R, U], first k tokens
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
         self.tokens_processed = 0
 
@@ -352,6 +357,8 @@ class _Run:
             entropy = entropy_from_logprobs(lp).double().cpu().numpy()  # [chunk]
             for i, u in enumerate(prompt_ids[start : start + chunk]):
                 self.L[rows, u] += logp[i]
+                for L_head in self.L_head.values():
+                    L_head[rows, u] += logp[i]
                 for r in rows[self.prompt_of_row[rows] == u]:
                     self.entropy[r][0] = entropy[i]
 
@@ -376,11 +383,15 @@ class _Run:
         per_position = torch.zeros(valid.shape, dtype=torch.float64, device=self.device)
         per_position[valid] = logp
         sums = per_position.sum(dim=1).cpu().numpy()
+        # Position q scores token q + 1: the first k tokens are the first token and positions < k - 1.
+        head_sums = {k: per_position[:, : k - 1].sum(dim=1).cpu().numpy() for k in self.L_head}
         entropy_rows = torch.full(valid.shape, float("nan"), dtype=torch.float64, device=self.device)
         entropy_rows[valid] = entropy
         entropy_np = entropy_rows.cpu().numpy()
         for b, (u, r) in enumerate(pairs):
             self.L[r, u] += sums[b]
+            for k, L_head in self.L_head.items():
+                L_head[r, u] += head_sums[k][b]
             if self.prompt_of_row[r] == u:
                 self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[r]) - 1]
 

@@ -195,7 +195,7 @@ def compute_diagnostics(
         "mi_zscore_ema": float((terms / (ema_std + config.std_eps)).mean()),
         "mi_zscore_ema_seq": float((terms_seq / (ema_std_seq + config.std_eps)).mean()),
     }
-    signature = _column_signatures(column_prompts, n_cols)
+    signature = column_signatures(column_prompts, n_cols)
     correct_at, chance = retrieval_hits(L_tok, cols, signature)
     metrics.update(retrieval_metrics(correct_at, chance, n_cols))
     group_ids = list(column_group_ids) if column_group_ids is not None else list(range(n_cols))
@@ -412,7 +412,7 @@ def _ema(previous: float | None, current: float, decay: float) -> float:
     return current if previous is None else decay * previous + (1 - decay) * current
 
 
-def _column_signatures(column_prompts: Sequence[Sequence[int]] | None, n_cols: int) -> np.ndarray:
+def column_signatures(column_prompts: Sequence[Sequence[int]] | None, n_cols: int) -> np.ndarray:
     """[N] int: columns with identical prompts share a signature id (first-seen order)."""
     if column_prompts is None:
         return np.arange(n_cols)

@@ -18,12 +18,18 @@ from scoring.scorer import Scorer
 
 
 def score_batch_naive(
-    scorer: Scorer, batch: ScoringBatch, temperature: float = 1.0, micro_batch_size: int = 1
+    scorer: Scorer,
+    batch: ScoringBatch,
+    temperature: float = 1.0,
+    micro_batch_size: int = 1,
+    head_tokens: tuple[int, ...] = (),
 ) -> CrossScores:
-    """L_seq[r, j] = sum_t log_softmax(logits([x_j ; z_r])[|x_j| - 1 + t] / tau)[z_r[t]]."""
+    """L_seq[r, j] = sum_t log_softmax(logits([x_j ; z_r])[|x_j| - 1 + t] / tau)[z_r[t]]; L_head[k] the
+    same sum over t < k."""
     device = scorer.device
     n_rows, n_cols = batch.n_rows, batch.n_columns
     L_seq = np.zeros((n_rows, n_cols), dtype=np.float64)
+    L_head = {k: np.zeros_like(L_seq) for k in head_tokens}
     entropy = [np.full(len(z), np.nan) for z in batch.reasonings]
     tokens = 0
     with torch.inference_mode():
@@ -49,9 +55,16 @@ def score_batch_naive(
                     if not z:
                         continue
                     at = slice(len(prompt) - 1, len(prompt) - 1 + len(z))
-                    L_seq[r, j] = float(logp[b, at].gather(1, torch.tensor(z, device=device)[:, None]).double().sum())
+                    per_token = logp[b, at].gather(1, torch.tensor(z, device=device)[:, None]).double()[:, 0]
+                    L_seq[r, j] = float(per_token.sum())
+                    for k in head_tokens:
+                        L_head[k][r, j] = float(per_token[:k].sum())
                     if batch.column_of_row[r] == j:
                         entropy[r] = entropy_from_logprobs(logp[b, at]).double().cpu().numpy()
     return CrossScores(
-        L_seq=L_seq, reasoning_lengths=batch.reasoning_lengths, token_entropy=tuple(entropy), tokens_processed=tokens
+        L_seq=L_seq,
+        reasoning_lengths=batch.reasoning_lengths,
+        token_entropy=tuple(entropy),
+        tokens_processed=tokens,
+        L_head=L_head,
     )

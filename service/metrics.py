@@ -67,6 +67,31 @@ EXPORTED = (
     Exported("retrieval_chance_level", "retrieval_chance_ratio", "Retrieval accuracy expected by chance."),
     Exported("retrieval_above_chance", "retrieval_above_chance_ratio", "Retrieval accuracy minus chance."),
     Exported("token_entropy_mean", "token_entropy_nats", "Mean next-token entropy over matched reasoning tokens."),
+    Exported(
+        "mi_head_estimate",
+        "mi_head_estimate_nats",
+        "Per-token MI over each reasoning's first head_tokens tokens: appended text cannot move it.",
+    ),
+    Exported(
+        "conditional_entropy_head_est", "conditional_entropy_head_nats", "Per-token H(Z|X) over the same head tokens."
+    ),
+    Exported("mi_excess", "mi_excess_nats", "Per-token MI minus its permutation-null mean (does not saturate)."),
+    Exported("mi_head_excess", "mi_head_excess_nats", "mi_excess over each reasoning's first head_tokens tokens."),
+    Exported("mi_seq_normalized", "mi_seq_normalized_ratio", "Per-sequence MI as a share of its ceiling ln N."),
+    Exported(
+        "retrieval_chance_corrected",
+        "retrieval_chance_corrected_ratio",
+        "(retrieval accuracy - chance) / (1 - chance): 0 at chance, 1 when every row finds its prompt.",
+    ),
+    Exported("retrieval_mrr", "retrieval_mrr_ratio", "Mean reciprocal rank of each row's own prompt."),
+    Exported(
+        "mi_permutation_p",
+        "mi_permutation_pvalue_ratio",
+        "Permutation p-value of the matched log-probs: how likely this much input dependence is with none.",
+    ),
+    Exported(
+        "duplicate_row_ratio", "duplicate_rows_ratio", "Share of rows whose reasoning repeats a row of another prompt."
+    ),
     Exported("rows", "scored_rows", "Reasoning rows scored at the last scored step."),
     Exported("columns", "scored_columns", "Prompts (columns) scored at the last scored step."),
     Exported("rollout/in_group_reward_std", "reward_std", "Mean over prompt groups of the in-group reward std (n-1)."),

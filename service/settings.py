@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scoring.config import ScoringConfig
+from scoring.dependence import DEFAULT_HEAD_TOKENS
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS
 
 # The embedded CPU scorer's step budget (docs/scoring.md, Budget, for the measurement behind it).
@@ -152,6 +153,13 @@ class Settings(BaseSettings):
         description="Request body bytes parsed at once, all requests together: parsing holds up to ~9x a body's "
         "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
         "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
+    )
+    head_tokens: int = Field(
+        DEFAULT_HEAD_TOKENS,
+        ge=1,
+        description="Head budget k of the length-robust signals (mi_head_estimate, mi_head_excess, "
+        "conditional_entropy_head_est): input dependence measured on each reasoning's first k tokens only, so "
+        "text appended after an answer cannot move it. Free: the kernel sums these log-probs in the same pass.",
     )
     max_reasoning_tokens: int = Field(
         DEFAULT_MAX_REASONING_TOKENS,
@@ -329,6 +337,7 @@ class Settings(BaseSettings):
             dtype=self.dtype,
             temperature=temperature,
             max_batch_tokens=self.max_batch_tokens,
+            head_tokens=(self.head_tokens,),
         )
 
 

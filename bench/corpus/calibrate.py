@@ -26,7 +26,8 @@ import numpy as np
 
 from bench.corpus.simulate import CORPUS, KINDS, Corpus, Run, Story, halves, load, story
 from scoring.estimators import EmaState
-from service.alerts.rules import TEMPLATE, Series, evaluate
+from service.alerts.rules import Series, evaluate
+from service.alerts.rules.template import TemplateCollapse
 from service.ingest.matrices import score_matrix
 from service.schemas.alerts import AlertSettings, Signal
 from service.schemas.inputs import MatrixBatchIn
@@ -73,7 +74,7 @@ def replays(
     return out
 
 
-def first_fire(r: Replay, config: AlertSettings, rule: str = TEMPLATE) -> int | None:
+def first_fire(r: Replay, config: AlertSettings, rule: str = TemplateCollapse.name) -> int | None:
     fired = [e.fired_step for e in evaluate("sim", SAMPLER, r.series, config) if e.rule == rule and e.fired_step]
     return min(fired) if fired else None
 
@@ -86,7 +87,7 @@ def delay(r: Replay, fired: int | None) -> int | None:
     return fired - reference + 1
 
 
-def outcome(runs: dict[str, list[Replay]], config: AlertSettings, rule: str = TEMPLATE) -> dict[str, Any]:
+def outcome(runs: dict[str, list[Replay]], config: AlertSettings, rule: str = TemplateCollapse.name) -> dict[str, Any]:
     """Per kind: detections, delays, alarms in healthy runs and before onsets."""
     result: dict[str, Any] = {}
     for kind, rs in runs.items():
@@ -152,7 +153,10 @@ def evaluate_defaults(corpus: Corpus, sizes: list[int], args: argparse.Namespace
     for n in sizes:
         data = replays(corpus, "evaluation", n, **replay_parameters(args))
         table: dict[str, Any] = {"rows": n}
-        for label, rule in (("template_collapse_rule", TEMPLATE), ("entropy_only_rule", "EntropyCollapse")):
+        for label, rule in (
+            ("template_collapse_rule", TemplateCollapse.name),
+            ("entropy_only_rule", "EntropyCollapse"),
+        ):
             table[label] = outcome(data, AlertSettings(), rule)
         partial = data["partial"]
         table["template_collapse_rule"]["partial"]["named_in_last_batch"] = sum(

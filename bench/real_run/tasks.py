@@ -247,8 +247,9 @@ def _make_task(rng: random.Random, family: str, hard: bool) -> Task:
         size = "a sentence of exactly seven words" if hard else "one short sentence"
         return Task(f'Write {size} that uses the word "{w}".', w, (w,), family, hard)
     if family == "reverse":
-        a, b, c = rng.sample(NOUNS, 3)
-        return Task(f"Repeat these three words in reverse order: {a}, {b}, {c}.", f"{c} {b} {a}", (a, b, c), family)
+        first, second, third = rng.sample(NOUNS, 3)
+        question = f"Repeat these three words in reverse order: {first}, {second}, {third}."
+        return Task(question, f"{third} {second} {first}", (first, second, third), family)
     if hard:
         a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
         op, answer = "times", a * b
@@ -518,8 +519,3 @@ def word_retrieval(texts: Sequence[str], batch_tasks: Sequence[Task]) -> tuple[f
         tied = [q.question for q, o in zip(questions, overlap, strict=True) if o == top]
         hits += 1 / len(tied) if own.question in tied else 0.0
     return hits / len(texts), 1 / len(questions)
-
-
-def above_chance(accuracy: float, chance: float) -> float:
-    """Chance-corrected accuracy (acc - chance) / (1 - chance): 0 at chance, 1 when every match is right."""
-    return (accuracy - chance) / (1 - chance) if chance < 1 else 0.0

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.real_run import tasks
+from scoring.dependence import chance_corrected
 
 # SmolLM2's own chat template; the tiny random policy gets this minimal ChatML one.
 TINY_CHAT_TEMPLATE = (
@@ -131,7 +132,7 @@ class Recorder:
             "mentions_operands": sum(tasks.names_content(t, b) for t, b in zip(texts, batch, strict=True)) / n,
             "word_retrieval": accuracy,
             "word_retrieval_chance": chance,
-            "word_retrieval_above_chance": tasks.above_chance(accuracy, chance),
+            "word_retrieval_above_chance": chance_corrected(accuracy, chance),
             "opening_share": share,
             "common_opening": common,
             "slot_template_share": tasks.opening_share(texts, mask_numbers=True)[0],

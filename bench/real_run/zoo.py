@@ -1,12 +1,20 @@
 """The zoo: real TRL runs that collapse and healthy controls, each recorded whole, then scored by the service.
 
     python -m bench.real_run.zoo train [--arms A,B] [--jobs 2]   # trains what is not recorded yet (~8 min an arm)
-    python -m bench.real_run.zoo score                            # replays every record through the service
+    python -m bench.real_run.zoo score [--arms A,B]               # scores every record as the service does
+
 
 ``train`` runs ``bench.real_run.train`` for each arm of ``tasks.ZOO`` with the zoo's sizes (``SIZES``)
 and no service attached: each step's whole batch (prompts as the policy read them, completions,
 rewards), TRL's figures and the words-only measures go to ``bench/real_run/zoo/<arm>.jsonl.gz``.
 An arm already recorded is skipped, so an interrupted ``train`` picks up where it stopped.
+
+``score`` runs each recorded step through the service's own scoring of a rollouts batch
+(``service.jobs.rollouts.score_rollouts``: the reference scorer SmolLM2-135M, sampler first_turn,
+every row, no step budget, the run defaults of ``POST /v1/runs``), exactly what a live run stores,
+and writes ``bench/real_run/zoo/scored/<arm>.json.gz``: per step every stored series and the
+cross-scoring matrices (L_seq, the head sums at ``HEADS``), so that signals can be compared
+offline without scoring again (``bench.real_run.signals``). An arm already scored is skipped.
 """
 
 from __future__ import annotations
@@ -20,9 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from bench.real_run import tasks
+from scoring import estimators
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -32,11 +43,14 @@ RECORDS = HERE / "zoo"
 SIZES = {"steps": 14, "prompts": 8, "generations": 3, "max_completion_length": 48, "lora_rank": 16, "seed": 0}
 
 
+HEADS = (8, 16, 32)  # head budgets k kept for the comparison (the service computes its own one)
+
+
 def record_path(arm: str) -> Path:
     return RECORDS / f"{arm}.jsonl.gz"
 
 
-def read_record(arm: str) -> list[dict[str, object]]:
+def read_record(arm: str) -> list[dict[str, Any]]:
     """An arm's steps, as ``bench.real_run.train`` wrote them."""
     with gzip.open(record_path(arm), "rt") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -80,6 +94,129 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
             process.wait()
 
 
+def scored_path(arm: str) -> Path:
+    return RECORDS / "scored" / f"{arm}.json.gz"
+
+
+def read_scored(arm: str) -> list[dict[str, Any]]:
+    """An arm's scored steps, as ``score`` wrote them."""
+    with gzip.open(scored_path(arm), "rt") as f:
+        steps: list[dict[str, Any]] = json.load(f)["steps"]
+    return steps
+
+
+def batch_of(step: dict[str, Any]) -> dict[str, Any]:
+    """A recorded step as the rollouts batch ``attach`` would have sent (``BatchIn``): a group per question."""
+    batch = step["batch"]
+    groups: dict[str, int] = {}
+    trajectories = [
+        {
+            "group_id": groups.setdefault(question, len(groups)),
+            "reward": reward,
+            "turns": [{"prompt": prompt, "response": completion}],
+        }
+        for question, prompt, completion, reward in zip(
+            batch["questions"], batch["prompts"], batch["completions"], batch["rewards"], strict=True
+        )
+    ]
+    return {"step": step["step"], "trajectories": trajectories}
+
+
+def score(arms: list[str], cache_dir: Path) -> None:
+    """Scores every recorded step of ``arms`` through the service's own scoring (module docstring).
+
+    Several ``score`` processes can run at once: each takes an arm under a lock file."""
+    from scoring import load_scorer
+    from service.settings import Settings
+
+    class ZooSettings(Settings):
+        def scoring_config(self, model: str, temperature: float = 1.0) -> Any:
+            config = super().scoring_config(model, temperature)
+            return replace(config, head_tokens=tuple(sorted({*config.head_tokens, *HEADS})))
+
+    settings = ZooSettings(_env_file=None, cache_dir=cache_dir, scoring_budget_seconds=0, threads=1)
+    scorer = load_scorer(settings.scoring_config("smollm2-135m"), cache_dir)
+    for arm in arms:
+        if scored_path(arm).exists() or not record_path(arm).exists():
+            continue
+        lock = scored_path(arm).with_suffix(".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.touch(exist_ok=False)
+        except FileExistsError:  # another score process has this arm
+            continue
+        try:
+            started = time.monotonic()
+            steps = score_arm(arm, scorer, settings)
+            with gzip.open(scored_path(arm), "wt") as f:
+                json.dump({"arm": arm, "steps": steps}, f)
+            print(json.dumps({"arm": arm, "scored_seconds": round(time.monotonic() - started, 1)}), flush=True)
+        finally:
+            lock.unlink()
+
+
+def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
+    """One arm's recorded steps through ``score_rollouts``: per step its points and matrices."""
+    import numpy as np
+
+    from service.jobs import rollouts
+    from service.schemas.alerts import AlertSettings
+    from service.schemas.inputs import BatchIn, FilterSettings
+    from service.snapshot import RunSnapshot
+
+    run = RunSnapshot(
+        id=0,
+        name=f"zoo-{arm}",
+        scorer="smollm2-135m",
+        scorer_mode="reference",
+        score_every=1,
+        samplers=("first_turn",),
+        num_samples=None,
+        seed=0,
+        temperature=1.0,
+        filter=FilterSettings().model_dump(),
+        alerts=AlertSettings(),
+    )
+    kernel = rollouts.score_batch
+    seen: list[tuple[Any, Any]] = []  # (batch, CrossScores) of the step being scored
+
+    def recording(scorer_: Any, batch: Any, config: Any, check: Any = None) -> Any:
+        cross = kernel(scorer_, batch, config, check)
+        seen.append((batch, cross))
+        return cross
+
+    emas: dict[str, Any] = {}
+    steps = []
+    for record in read_record(arm):
+        seen.clear()
+        rollouts.score_batch = recording  # type: ignore[assignment]  # the bench keeps what the service drops
+        try:
+            scored = rollouts.score_rollouts(
+                BatchIn.model_validate(batch_of(record)), run, emas, lambda: scorer, settings
+            )
+        finally:
+            rollouts.score_batch = kernel
+        emas.update(scored.ema)
+        points: dict[str, dict[str, float]] = {}
+        for point in scored.points:
+            points.setdefault(point.sampler, {})[point.name] = point.value
+        ((batch, cross),) = seen
+        signature = estimators.column_signatures(batch.column_prompts, batch.n_columns)
+        steps.append(
+            {
+                "step": record["step"],
+                "points": points,
+                "L_seq": np.round(cross.L_seq, 6).tolist(),
+                "L_head": {str(k): np.round(cross.L_head[k], 6).tolist() for k in HEADS},
+                "lengths": cross.reasoning_lengths.tolist(),
+                "column_of_row": list(batch.column_of_row),
+                "signature": signature.tolist(),
+                "reasonings": [list(z) for z in batch.reasonings],
+            }
+        )
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -87,7 +224,12 @@ def main() -> None:
     trainer.add_argument("--arms", default=",".join(tasks.ZOO), help="comma-separated, of tasks.ZOO")
     trainer.add_argument("--jobs", type=int, default=2, help="arms trained at once")
     trainer.add_argument("--work", type=Path, default=None, help="logs and checkpoints (default: a temp folder)")
+    scorer = commands.add_parser("score", help="score the recorded arms not scored yet, as the service does")
+    scorer.add_argument("--arms", default=",".join(tasks.ZOO), help="comma-separated, of tasks.ZOO")
+    scorer.add_argument("--cache-dir", type=Path, default=Path("~/.cache/collapse-monitor").expanduser())
     args = parser.parse_args()
+    if args.command == "score":
+        score([a for a in args.arms.split(",") if a], args.cache_dir)
     if args.command == "train":
         arms = [a for a in args.arms.split(",") if a]
         unknown = sorted(set(arms) - set(tasks.ZOO))

@@ -5,9 +5,11 @@
     monitor = Monitor("http://127.0.0.1:8000", "grpo-math-3")
     monitor.log(step, [{"group_id": g, "reward": r, "prompt": p, "response": c}, ...])
 
-Integrations: ``collapse_monitor.integrations.trl`` (GRPOTrainer, RLOOTrainer) and
-``collapse_monitor.integrations.verl`` (DataProto batches, RAGEN); both can run the SNR-aware filter
-(``SNRFilter``) in the trainer. Command line: ``collapse-monitor-client send|follow``. See docs/client.md.
+Integrations: ``collapse_monitor.integrations.trl`` (GRPOTrainer, RLOOTrainer),
+``collapse_monitor.integrations.verl`` (DataProto batches, RAGEN) and
+``collapse_monitor.integrations.slime`` (slime and miles, by one flag); TRL and verl can run the
+SNR-aware filter (``SNRFilter``) in the trainer. Command line: ``collapse-monitor-client send|follow``
+(the files of verl, TRL, prime-rl, AReaL, ROLL, slime). See docs/client.md.
 """
 
 from collapse_monitor.alerts import AlertActions, AlertEvent

@@ -1,11 +1,11 @@
-"""The ``collapse-monitor-client`` command line: send dumped rollouts, or follow a dump folder.
+"""The ``collapse-monitor-client`` command line: send dumped rollouts, or follow a trainer's output folder.
 
-    collapse-monitor-client send FILE --run NAME [--url URL] [--step N]
-        send the batches of a JSONL file (batches, trajectories with a step, or verl rows) or of a
-        TRL completion file (completions_00012.parquet)
-    collapse-monitor-client follow DIR --run NAME [--url URL] [--state FILE] [--once]
-        send each new step file of a rollout-dump folder (verl's trainer.rollout_data_dir) or of a
-        TRL output_dir (log_completions=True)
+    collapse-monitor-client send FILE --run NAME [--url URL] [--step N] [--format F]
+        send the batches of one step file: JSONL (batches, trajectories with a step, verl, AReaL,
+        ROLL or prime-rl lines), a TRL completion file (.parquet) or a slime dump (.pt)
+    collapse-monitor-client follow DIR --run NAME [--url URL] [--state FILE] [--once] [--format F]
+        send each new step a trainer writes under DIR (formats.py: verl, TRL, prime-rl, AReaL,
+        ROLL, slime); --stop-file / --on-alert act on the run's alerts
 
 ``--url`` defaults to ``$COLLAPSE_MONITOR_URL`` or http://127.0.0.1:8000, ``--token`` to
 ``$COLLAPSE_MONITOR_TOKEN``. Batches that cannot be
@@ -28,18 +28,22 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from collapse_monitor.completion_files import (
-    CompletionFileError,
-    MissingExtraError,
-    Weights,
-    batches_of_file,
-    chat_template_from,
-    parse_weights,
+from collapse_monitor.alerts import STATES
+from collapse_monitor.completion_files import CompletionFileError, MissingExtraError, chat_template_from, parse_weights
+from collapse_monitor.dumps import DumpError
+from collapse_monitor.follow import AlertHook, Follower, default_state_path
+from collapse_monitor.formats import (
+    FORMATS,
+    PRIME_RL_TRACES,
+    Reading,
+    StepUnit,
+    UntrustedDumpError,
+    file_format,
+    read_unit,
+    step_of_file,
 )
-from collapse_monitor.conversations import Render
-from collapse_monitor.dumps import DumpError, batches_of, read_jsonl
-from collapse_monitor.follow import Follower, default_state_path
 from collapse_monitor.monitor import Monitor
+from collapse_monitor.slime_samples import tokenizer_decode
 from collapse_monitor.version import __version__
 
 EXIT_NOT_DELIVERED = 1
@@ -75,28 +79,61 @@ def _build_parser() -> _Parser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(required=True, metavar="COMMAND", parser_class=_Parser)
 
-    send = commands.add_parser("send", help="send the batches of a JSONL file or a TRL completion file")
+    send = commands.add_parser("send", help="send the batches of one step file")
     send.add_argument(
         "file",
         type=Path,
-        help="JSONL (batches, trajectories with a step, or verl dump rows) or a TRL completions_*.parquet",
+        help="JSONL (batches, trajectories with a step, verl, AReaL, ROLL or prime-rl lines), a TRL "
+        "completions_*.parquet or a slime {rollout_id}.pt",
     )
-    send.add_argument("--step", type=int, help="step of lines that carry none (default: a numeric file name)")
+    send.add_argument("--step", type=int, help="step of lines that carry none (default: what the file's place names)")
     send.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for delivery (default 60)")
+    send.add_argument(
+        "--format", choices=("auto", *FORMATS), default="auto", help="the trainer (default: from the path)"
+    )
     _common(send)
-    _trl_options(send)
+    _reading_options(send)
     send.set_defaults(command=_run_send)
 
-    follow = commands.add_parser("follow", help="send each new step file of a rollout-dump folder")
+    follow = commands.add_parser("follow", help="send each new step a trainer writes under a folder")
     follow.add_argument(
-        "folder", type=Path, help="the dump folder (verl: trainer.rollout_data_dir; TRL: output_dir); may appear later"
+        "folder",
+        type=Path,
+        help="the trainer's output folder (docs/client.md: your trainer -> what to do); may appear later",
+    )
+    follow.add_argument(
+        "--format", choices=("auto", *FORMATS), default="auto", help="the trainer (default: from the folder's layout)"
     )
     follow.add_argument("--state", type=Path, help="progress file (default: DIR/.collapse-monitor-RUN.state.json)")
     follow.add_argument("--poll", type=float, default=2.0, help="seconds between looks at the folder (default 2)")
     follow.add_argument("--settle", type=float, default=5.0, help="seconds a last file must rest (default 5)")
     follow.add_argument("--once", action="store_true", help="send what is complete now, then exit")
+    follow.add_argument(
+        "--traces",
+        choices=PRIME_RL_TRACES,
+        default="train/effective",
+        help="prime-rl: which trace files (default train/effective: the episodes each step trained on)",
+    )
+    alerts = follow.add_argument_group("acting on alerts (the trainer itself cannot be told)")
+    alerts.add_argument("--stop-file", type=Path, help="write this file (the alert's description) on an alert")
+    alerts.add_argument(
+        "--on-alert",
+        metavar="COMMAND",
+        help="run this shell command on an alert, with COLLAPSE_MONITOR_RULE, _STATE, _STEP, ... set",
+    )
+    alerts.add_argument(
+        "--alert-states", default="firing", help=f"comma-separated among {', '.join(STATES)} (default firing)"
+    )
+    alerts.add_argument(
+        "--alert-rules",
+        default="TemplateCollapse",
+        help="comma-separated rules that act, or 'all' (default TemplateCollapse)",
+    )
+    alerts.add_argument(
+        "--alert-poll", type=float, default=10.0, help="seconds between looks at the alerts (default 10)"
+    )
     _common(follow)
-    _trl_options(follow)
+    _reading_options(follow)
     follow.set_defaults(command=_run_follow)
     return parser
 
@@ -120,29 +157,44 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
 
-def _trl_options(parser: argparse.ArgumentParser) -> None:
-    trl = parser.add_argument_group("TRL completion files")
-    trl.add_argument(
+def _reading_options(parser: argparse.ArgumentParser) -> None:
+    reading = parser.add_argument_group("reading the files")
+    reading.add_argument(
         "--reward-weights",
         metavar="WEIGHTS",
-        help="the trainer's reward_weights: one per reward column in order (1,0.5) or by name "
+        help="TRL: the trainer's reward_weights: one per reward column in order (1,0.5) or by name "
         "(accuracy=1,format=0.5, which also picks the columns); default: the plain sum",
     )
-    trl.add_argument(
+    reading.add_argument(
         "--chat-template-from",
         metavar="MODEL_DIR",
-        help="render conversational prompts with this model's chat template (needs transformers); "
-        "default: plain 'role: text' lines",
+        help="TRL, ROLL, prime-rl: render conversational prompts with this model's chat template (needs "
+        "transformers); default: plain 'role: text' lines",
+    )
+    reading.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="slime: the folder is trusted; its .pt dumps are pickles, which run code when read (needs torch)",
+    )
+    reading.add_argument("--reward-key", help="slime: the key of dict rewards (the trainer's --reward-key)")
+    reading.add_argument(
+        "--tokenizer",
+        metavar="MODEL_DIR",
+        help="slime: the policy's tokenizer, to decode multi-turn samples turn by turn (needs transformers)",
     )
 
 
-def _trl_reading(args: argparse.Namespace) -> tuple[Weights, Render | None]:
+def _reading(args: argparse.Namespace) -> Reading:
     try:
-        weights = parse_weights(args.reward_weights) if args.reward_weights else None
-        render = chat_template_from(args.chat_template_from) if args.chat_template_from else None
+        return Reading(
+            reward_weights=parse_weights(args.reward_weights) if args.reward_weights else None,
+            render=chat_template_from(args.chat_template_from) if args.chat_template_from else None,
+            trust_pickle=args.trust_pickle,
+            reward_key=args.reward_key,
+            decode=tokenizer_decode(args.tokenizer) if args.tokenizer else None,
+        )
     except (ValueError, OSError, MissingExtraError) as e:
         raise UsageError(str(e)) from e
-    return weights, render
 
 
 def _monitor(args: argparse.Namespace) -> Monitor:
@@ -170,19 +222,18 @@ def _monitor(args: argparse.Namespace) -> Monitor:
 
 
 def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    reading = _reading(args)
     monitor = _monitor(args)
-    step = args.step
-    if step is None and args.file.stem.isdigit():
-        step = int(args.file.stem)
+    fmt = file_format(args.file) if args.format == "auto" else args.format
+    step = args.step if args.step is not None else step_of_file(args.file, fmt)
+    kind = {"trl": "parquet", "slime": "pt"}.get(fmt, "jsonl")
     try:
-        if args.file.suffix == ".parquet":
-            batches = batches_of_file(args.file, *_trl_reading(args))
-        else:
-            batches = batches_of(read_jsonl(args.file), str(args.file), step=step)
+        batches = read_unit(StepUnit(args.file.name, step, (args.file,), kind), reading)
     except OSError as e:
         raise UsageError(f"cannot read {args.file}: {e}") from e
-    except (DumpError, CompletionFileError, MissingExtraError) as e:
+    except (DumpError, CompletionFileError, MissingExtraError, UntrustedDumpError) as e:
         raise UsageError(str(e)) from e
+    batches = {s: trajectories for s, trajectories in batches.items() if trajectories}
     if not batches:
         raise UsageError(f"{args.file}: no batch in it")
     for batch_step, trajectories in batches.items():
@@ -200,7 +251,7 @@ def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         logging.getLogger("collapse_monitor").warning(
             "collapse-monitor: %s does not exist yet; waiting for the trainer to create it", args.folder
         )
-    weights, render = _trl_reading(args)
+    reading = _reading(args)
     monitor = _monitor(args)
     try:
         follower = Follower(
@@ -208,10 +259,17 @@ def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
             monitor,
             args.state or default_state_path(args.folder, args.run),
             args.settle,
-            reward_weights=weights,
-            render=render,
+            reading,
+            format=args.format,
+            traces=args.traces,
         )
+        if args.stop_file is not None or args.on_alert is not None:
+            rules = None if args.alert_rules == "all" else [r.strip() for r in args.alert_rules.split(",") if r.strip()]
+            states = [s.strip() for s in args.alert_states.split(",") if s.strip()]
+            hook = AlertHook(args.run, stop_file=args.stop_file, command=args.on_alert)
+            monitor.on_alert(hook, rules=rules, states=states, interval=args.alert_poll)
     except ValueError as e:
+        monitor.close(timeout=0)
         raise UsageError(str(e)) from e
     stop = threading.Event()
 
@@ -222,7 +280,7 @@ def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     signal.signal(signal.SIGINT, on_signal)
     try:
         sent = follower.follow(args.poll, once=args.once, stop=stop)
-    except MissingExtraError as e:
+    except (MissingExtraError, UntrustedDumpError) as e:
         monitor.close(timeout=30.0)
         raise UsageError(str(e)) from e
     delivered = monitor.close(timeout=30.0)

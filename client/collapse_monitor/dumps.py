@@ -1,16 +1,27 @@
 """Rollout dumps: JSONL files of generations, read back as one batch per training step.
 
-Three line formats, told apart line by line:
+The line formats, told apart line by line:
 
 * a **batch**: ``{"step": 12, "trajectories": [...]}``;
 * a **trajectory** with its step: ``{"step": 12, "group_id": 0, "reward": 1.0, "turns": [...]}``
   (or the single-turn shorthand with ``prompt`` and ``response``);
 * a **verl row**, as ``trainer.rollout_data_dir`` writes them (one ``{global_step}.jsonl`` per
   step): ``{"input": prompt text, "output": response text, "score": reward, "step": 12, "gts": ...}``
-  plus the reward function's extra keys. Rows with the same ``uid`` form a group; verl's
-  TransferQueue trainer writes ``uid`` as ``{prompt uid}_{session}_{index}``, where the rows of one
-  session are the turns of one trajectory, in index order. Without ``uid``, rows with the same
+  plus the reward function's extra keys. Rows with the same ``uid`` form a group; verl's V1
+  (TransferQueue) trainer writes ``uid`` as ``{prompt uid}_{session}_{index}``, where the rows of
+  one session are the turns of one trajectory, in index order. Without ``uid``, rows with the same
   ``input`` (the same prompt, repeated ``rollout.n`` times) form a group.
+* an **AReaL row** (``rollout.dump_to_file``, one ``{task_id}.jsonl`` per task in a folder per
+  policy version): ``{"task_id", "sample_idx", "prompt", "completion", "reward", ...}``, prompt and
+  completion decoded with their special tokens. The rows of one task form a group; the step is
+  the version folder's (given as ``step``).
+* a **ROLL batch** (``rollout_dump_dir``, ``rollout_dump_data.step_{N}.jsonl``): one line holding
+  the step's columns, ``{"id": [...], "prompt": [...], "messages": [...], "responses": [...],
+  "scores": [...], "global_step": [...], ...}``. Rows with the same ``id`` (else the same prompt)
+  form a group; the prompt is ``messages`` (a conversation, JSON or a list, rendered by
+  ``render``) when present, else ``prompt``.
+* a **prime-rl episode** (``rollouts/step_{N}/.../traces.jsonl``): verifiers' ``Episode.to_record()``,
+  read by ``prime_rl_traces``; the step is the ``step_{N}`` folder's (given as ``step``).
 
 Must not import httpx or the monitor.
 """
@@ -22,6 +33,9 @@ import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from collapse_monitor.conversations import Render, is_conversation, render_plain
+from collapse_monitor.prime_rl_traces import episode_trajectories, is_episode_record
 
 
 class DumpError(ValueError):
@@ -49,14 +63,30 @@ def is_verl_row(row: Mapping[str, Any]) -> bool:
     return "input" in row and "output" in row
 
 
+def is_areal_row(row: Mapping[str, Any]) -> bool:
+    return "task_id" in row and "completion" in row
+
+
+def is_roll_batch(row: Mapping[str, Any]) -> bool:
+    return "responses" in row and "scores" in row
+
+
 def batches_of(
-    rows: Iterable[tuple[int, Mapping[str, Any]]], where: str, step: int | None = None
+    rows: Iterable[tuple[int, Mapping[str, Any]]],
+    where: str,
+    step: int | None = None,
+    render: Render | None = None,
 ) -> dict[int, list[Any]]:
-    """Trajectories per step, steps in order of first appearance. ``step`` fills in rows without one."""
+    """Trajectories per step, steps in order of first appearance (see the module docstring).
+
+    ``step`` fills in rows without one; ``render`` turns a conversation into prompt text (ROLL's
+    ``messages``, prime-rl's conversations; default ``conversations.render_plain``).
+    """
+    render = render or render_plain
     by_step: dict[int, list[Any]] = {}
     verl: dict[int, list[Mapping[str, Any]]] = {}
     for number, row in rows:
-        row_step = row.get("step", step)
+        row_step = _roll_step(row, step, f"{where}:{number}") if is_roll_batch(row) else row.get("step", step)
         if isinstance(row_step, bool) or not isinstance(row_step, int) or row_step < 0:
             raise DumpError(f"{where}:{number}: needs an integer step (a 'step' field or --step), got {row_step!r}")
         if "trajectories" in row:
@@ -66,16 +96,81 @@ def batches_of(
         elif is_verl_row(row):
             by_step.setdefault(row_step, [])
             verl.setdefault(row_step, []).append(row)
+        elif is_areal_row(row):
+            by_step.setdefault(row_step, []).append(_areal_trajectory(row, f"{where}:{number}"))
+        elif is_roll_batch(row):
+            by_step.setdefault(row_step, []).extend(_roll_trajectories(row, f"{where}:{number}", render))
+        elif is_episode_record(row):
+            try:
+                by_step.setdefault(row_step, []).extend(episode_trajectories(row, render))
+            except (KeyError, TypeError, ValueError) as e:
+                raise DumpError(f"{where}:{number}: not a verifiers episode record as prime-rl writes it: {e!r}") from e
         elif "turns" in row or "prompt" in row or "prompt_token_ids" in row:
             by_step.setdefault(row_step, []).append({k: v for k, v in row.items() if k != "step"})
         else:
             raise DumpError(
-                f"{where}:{number}: expected a batch (trajectories), a trajectory (turns or prompt) or a verl row "
-                f"(input, output), got keys {sorted(row)}"
+                f"{where}:{number}: expected a batch (trajectories), a trajectory (turns or prompt), a verl row "
+                f"(input, output), an AReaL row (task_id, completion), a ROLL batch (responses, scores) or a "
+                f"prime-rl episode (task, traces), got keys {sorted(row)}"
             )
     for row_step, verl_rows in verl.items():
         by_step[row_step].extend(verl_trajectories(verl_rows))
     return by_step
+
+
+def _areal_trajectory(row: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """One AReaL sample: its task is its group (AReaL runs one task per prompt, ``n_samples`` times)."""
+    task = row["task_id"]
+    if isinstance(task, bool) or not isinstance(task, (int, str)):
+        raise DumpError(f"{where}: task_id must be an integer or a string, got {task!r}")
+    return {
+        "group_id": task,
+        "reward": _score(row.get("reward")),
+        "turns": [{"prompt": str(row.get("prompt") or ""), "response": str(row["completion"] or "")}],
+    }
+
+
+def _roll_step(row: Mapping[str, Any], step: int | None, where: str) -> Any:
+    steps = row.get("global_step")
+    if steps is None:
+        return step
+    if not isinstance(steps, list) or not steps or len(set(map(repr, steps))) != 1:
+        raise DumpError(f"{where}: global_step must be a non-empty list of one repeated step, got {steps!r}")
+    return steps[0]
+
+
+def _roll_trajectories(row: Mapping[str, Any], where: str, render: Render) -> list[dict[str, Any]]:
+    """ROLL's columns as trajectories: one per response, grouped by ``id`` (else by prompt)."""
+    responses, scores = row["responses"], row["scores"]
+    prompt_column = "messages" if row.get("messages") is not None else "prompt"
+    columns = {"responses": responses, "scores": scores, prompt_column: row.get(prompt_column)}
+    if row.get("id") is not None:
+        columns["id"] = row["id"]
+    for name, values in columns.items():
+        if not isinstance(values, list) or len(values) != len(responses):
+            got = len(values) if isinstance(values, list) else type(values).__name__
+            raise DumpError(f"{where}: ROLL column {name} must be a list of {len(responses)} values, got {got}")
+    out = []
+    for i, response in enumerate(responses):
+        prompt = columns[prompt_column][i]
+        if prompt_column == "messages":
+            try:
+                conversation = json.loads(prompt) if isinstance(prompt, str) else prompt
+            except json.JSONDecodeError as e:
+                raise DumpError(f"{where}: messages[{i}] is not JSON: {e}") from e
+            if not is_conversation(conversation):
+                raise DumpError(f"{where}: messages[{i}] must be a list of chat messages, got {prompt!r:.80}")
+            text = render(conversation)
+        else:
+            text = "" if prompt is None else str(prompt)
+        out.append(
+            {
+                "group_id": columns["id"][i] if "id" in columns else text,
+                "reward": _score(scores[i]),
+                "turns": [{"prompt": text, "response": "" if response is None else str(response)}],
+            }
+        )
+    return out
 
 
 def verl_trajectories(rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -1,20 +1,25 @@
-"""Following a rollout-dump folder: each new step file is sent once, and a restart resumes.
+"""Following a trainer's output folder: each new step is sent once, and a restart resumes.
 
-Two kinds of step files: verl's JSONL dumps (``DIR/{step}.jsonl``, ``dumps.py``) and TRL's
-completion files (``completions_{step:05d}.parquet`` in ``DIR`` or ``DIR/completions``, so ``DIR``
-may be the trainer's ``output_dir``; ``completion_files.py``). The folder may not exist yet: it is
-looked at again at every poll.
+The folder's layout says which trainer wrote it (``formats.py``: verl, TRL, prime-rl, AReaL, ROLL,
+slime), or ``format`` names it; it may not exist yet: it is looked at again at every poll, and the
+format found first is kept (and remembered in the state file).
 
-A file is read once it is complete: when a later step's file was written after it (trainers write
-steps in order); a JSONL file also when it has not changed for ``settle_seconds`` and ends with a
-newline, a parquet file once it ends with its footer (written last). After its batches are handed
-to a durable monitor (written to the spool before ``log()`` returns), the file's size and
-modification time go to the state file, written atomically; a file that changes afterwards (a
-trainer resumed from a checkpoint rewrites the step) is sent again, as new content under the same
-step. TRL writes the latest generation at every logging step, so with ``steps_per_generation`` (or
-``num_iterations``) above 1 consecutive files repeat one generation: a completion file whose
-trajectories equal the previous file's is recorded and not sent (the TRL integration sends each
-generation once too, at the step that generated it). Must not import httpx.
+A step is read once it is complete: when a later step's files were written after it (trainers
+write steps in order); a JSONL file also when it has not changed for ``settle_seconds`` and ends
+with a newline, a parquet file once it ends with its footer (written last), a slime dump once it
+ends with its zip directory. An AReaL version folder gathers the trajectories that finished under
+that policy version, some after the next version began, so it is read only once it has not changed
+for ``settle_seconds``. After a step's batches are handed to a durable monitor (written to the
+spool before ``log()`` returns), its files' size and modification time go to the state file,
+written atomically; a step that changes afterwards (a trainer resumed from a checkpoint rewrites
+it) is sent again, as new content under the same step. TRL writes the latest generation at every
+logging step, so with ``steps_per_generation`` (or ``num_iterations``) above 1 consecutive files
+repeat one generation: a completion file whose trajectories equal the previous file's is recorded
+and not sent (the TRL integration sends each generation once too, at the step that generated it).
+
+Alerts (``AlertHook``): the trainers read here have no hook to stop them, so ``follow`` can only
+act from outside: write a stop file the trainer's own code may look for, and run a command (signal
+the trainer, cancel its job). Must not import httpx.
 """
 
 from __future__ import annotations
@@ -23,20 +28,24 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collapse_monitor.completion_files import CompletionFileError, Weights, batches_of_file, file_step
-from collapse_monitor.conversations import Render
-from collapse_monitor.dumps import DumpError, batches_of, read_jsonl
+from collapse_monitor.alerts import AlertEvent
+from collapse_monitor.completion_files import CompletionFileError
+from collapse_monitor.completion_files import file_step as trl_file_step
+from collapse_monitor.dumps import DumpError
+from collapse_monitor.formats import FORMATS, Reading, StepUnit, detect, read_unit, units
 from collapse_monitor.monitor import Monitor
 
 logger = logging.getLogger("collapse_monitor")
 
 STATE_VERSION = 1
+ZIP_END = b"PK\x05\x06"  # the zip end-of-directory record, which torch.save writes last
 
 
 def default_state_path(folder: Path, run: str) -> Path:
@@ -45,32 +54,33 @@ def default_state_path(folder: Path, run: str) -> Path:
 
 @dataclass(eq=False)
 class Follower:
-    """Sends the step files of ``folder`` through ``monitor``, remembering what was sent in ``state_path``."""
+    """Sends the steps written under ``folder`` through ``monitor``, remembering what was sent in ``state_path``."""
 
     folder: Path
     monitor: Monitor
     state_path: Path
     settle_seconds: float = 5.0
-    reward_weights: Weights = None
-    render: Render | None = None
+    reading: Reading = field(default_factory=Reading)
+    format: str = "auto"
+    traces: str = "train/effective"  # prime-rl: which of its trace files
 
     def __post_init__(self) -> None:
-        self.done: dict[str, dict[str, Any]] = self._load_state()
-
-    def _load_state(self) -> dict[str, dict[str, Any]]:
-        if not self.state_path.exists():
-            return {}
-        state = json.loads(self.state_path.read_text())
-        if state.get("version") != STATE_VERSION or state.get("run") != self.monitor.run:
-            raise ValueError(
-                f"{self.state_path} belongs to run {state.get('run')!r} (version {state.get('version')}), "
-                f"not {self.monitor.run!r}; pass another --state file"
-            )
-        files: dict[str, dict[str, Any]] = state["files"]
-        return files
+        if self.format != "auto" and self.format not in FORMATS:
+            raise ValueError(f"format must be auto or one of {', '.join(FORMATS)}, got {self.format!r}")
+        self.done: dict[str, dict[str, Any]] = {}
+        self.found: str | None = None if self.format == "auto" else self.format
+        if self.state_path.exists():
+            state = json.loads(self.state_path.read_text())
+            if state.get("version") != STATE_VERSION or state.get("run") != self.monitor.run:
+                raise ValueError(
+                    f"{self.state_path} belongs to run {state.get('run')!r} (version {state.get('version')}), "
+                    f"not {self.monitor.run!r}; pass another --state file"
+                )
+            self.done = state["files"]
+            self.found = self.found or state.get("format")
 
     def _save_state(self) -> None:
-        state = {"version": STATE_VERSION, "run": self.monitor.run, "files": self.done}
+        state = {"version": STATE_VERSION, "run": self.monitor.run, "format": self.found, "files": self.done}
         tmp = self.state_path.with_name(f".{self.state_path.name}.tmp")
         with open(tmp, "w") as f:
             json.dump(state, f, indent=1, sort_keys=True)
@@ -78,104 +88,156 @@ class Follower:
             os.fsync(f.fileno())
         os.replace(tmp, self.state_path)
 
-    def files(self) -> list[Path]:
-        """The step files there are now, in step order."""
-        found = [
-            *self.folder.glob("*.jsonl"),
-            *self.folder.glob("completions_*.parquet"),
-            *(self.folder / "completions").glob("completions_*.parquet"),
-        ]
-        return sorted(found, key=_order)
+    def units(self) -> list[StepUnit]:
+        """The steps there are now, in step order (none while the folder holds no step file)."""
+        if self.found is None:
+            self.found = detect(self.folder, self.traces)
+            if self.found is None:
+                return []
+            logger.info("collapse-monitor: %s holds %s output", self.folder, self.found)
+        return sorted(units(self.folder, self.found, self.traces), key=_order)
 
-    def pending(self, now: float | None = None) -> list[Path]:
-        """Complete files not sent yet (or changed since), in step order."""
+    def pending(self, now: float | None = None) -> list[StepUnit]:
+        """Complete steps not sent yet (or changed since), in step order."""
         now = time.time() if now is None else now
-        files = self.files()
-        ready = []
-        stats = [path.stat() for path in files]
-        for position, (path, stat) in enumerate(zip(files, stats)):
-            record = self.done.get(self._key(path))
-            if record is not None and (record["size"], record["mtime_ns"]) == (stat.st_size, stat.st_mtime_ns):
+        found, stats = [], []
+        for unit in self.units():
+            try:
+                stats.append(_stat(unit))
+            except FileNotFoundError:  # removed since listed (a trainer rotating its dumps): gone for us too
                 continue
-            # A later step written after this file means the trainer has moved on; an older later
-            # file is left from before a resume and proves nothing.
-            moved_on = any(later.st_mtime_ns >= stat.st_mtime_ns for later in stats[position + 1 :])
-            if path.suffix == ".parquet":
-                complete = _has_parquet_footer(path, stat.st_size)
+            found.append(unit)
+        ready = []
+        for position, (unit, (size, mtime_ns)) in enumerate(zip(found, stats)):
+            record = self.done.get(unit.key)
+            if record is not None and (record["size"], record["mtime_ns"]) == (size, mtime_ns):
+                continue
+            # A later step written after this one means the trainer has moved on; an older later
+            # step is left from before a resume and proves nothing.
+            moved_on = any(later >= mtime_ns for _, later in stats[position + 1 :])
+            rested = now - mtime_ns / 1e9 >= self.settle_seconds
+            if self.found == "areal":
+                complete = rested  # stragglers of a version land after the next version began
+            elif unit.kind == "parquet":
+                complete = moved_on or _has_parquet_footer(unit.paths[0])
+            elif unit.kind == "pt":
+                complete = (moved_on or rested) and _ends_with_zip_directory(unit.paths[0])
             else:
-                complete = now - stat.st_mtime >= self.settle_seconds and _ends_with_newline(path)
-            if not (moved_on or complete):
-                break  # still being written; the files after it wait too, to keep step order
-            ready.append(path)
+                complete = moved_on or (rested and all(_ends_with_newline(p) for p in unit.paths))
+            if not complete:
+                break  # still being written; the steps after it wait too, to keep step order
+            ready.append(unit)
         return ready
 
-    def send(self, path: Path) -> list[int]:
-        """Logs the batches of one file; returns their steps. Malformed files are reported and skipped."""
-        stat = path.stat()
-        key = self._key(path)
-        record: dict[str, Any] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    def send(self, unit: StepUnit) -> list[int]:
+        """Logs the batches of one step; returns their steps. Malformed steps are reported and skipped."""
+        size, mtime_ns = _stat(unit)
+        record: dict[str, Any] = {"size": size, "mtime_ns": mtime_ns}
         try:
-            if path.suffix == ".parquet":
-                batches = batches_of_file(path, self.reward_weights, self.render)
-            else:
-                stem_step = int(path.stem) if path.stem.isdigit() else None
-                batches = batches_of(read_jsonl(path), str(path), step=stem_step)
-        except (DumpError, CompletionFileError) as e:
-            logger.error("collapse-monitor: skipped %s: %s", path, e)
-            self.done[key] = {**record, "error": str(e)}
+            batches = read_unit(unit, self.reading)
+        except (DumpError, CompletionFileError, OSError) as e:
+            logger.error("collapse-monitor: skipped %s: %s", unit.key, e)
+            self.done[unit.key] = {**record, "error": str(e)}
             self._save_state()
             return []
-        if path.suffix == ".parquet":
+        empty = [step for step, trajectories in batches.items() if not trajectories]
+        if empty:
+            logger.warning("collapse-monitor: %s holds no trajectory to score at step(s) %s", unit.key, empty)
+            batches = {step: trajectories for step, trajectories in batches.items() if trajectories}
+        if unit.kind == "parquet":
             record["content"] = _content_key(batches)
-            previous = self._previous_completion_file(path)
+            previous = self._previous_completion_file(unit)
             if previous is not None and self.done[previous].get("content") == record["content"]:
-                logger.info("collapse-monitor: %s repeats the generation of %s; not sent again", key, previous)
-                self.done[key] = {**record, "steps": [], "same_as": previous}
+                logger.info("collapse-monitor: %s repeats the generation of %s; not sent again", unit.key, previous)
+                self.done[unit.key] = {**record, "steps": [], "same_as": previous}
                 self._save_state()
                 return []
         for step, trajectories in batches.items():
             self.monitor.log(step, trajectories)
-        self.done[key] = {**record, "steps": list(batches)}
+        self.done[unit.key] = {**record, "steps": list(batches)}
         self._save_state()
         return list(batches)
 
-    def _key(self, path: Path) -> str:
-        # relative to the folder: verl's files by name (as earlier state files hold them), TRL's may sit in completions/
-        return path.relative_to(self.folder).as_posix()
-
-    def _previous_completion_file(self, path: Path) -> str | None:
+    def _previous_completion_file(self, unit: StepUnit) -> str | None:
         """The recorded completion file of the latest step before this one's."""
-        step = file_step(path)
         earlier = [
-            (file_step(Path(key)), key)
-            for key in self.done
-            if key.endswith(".parquet") and "error" not in self.done[key]
+            (trl_file_step(Path(key)), key)
+            for key, record in self.done.items()
+            if key.endswith(".parquet") and "error" not in record
         ]
-        candidates = [(s, key) for s, key in earlier if s is not None and step is not None and s < step]
+        candidates = [(s, key) for s, key in earlier if s is not None and unit.step is not None and s < unit.step]
         return max(candidates)[1] if candidates else None
 
     def follow(self, poll_seconds: float = 2.0, once: bool = False, stop: threading.Event | None = None) -> list[int]:
-        """Sends complete files as they appear until ``stop`` is set (or, with ``once``, what is ready now)."""
+        """Sends complete steps as they appear until ``stop`` is set (or, with ``once``, what is ready now)."""
         stop = stop or threading.Event()
         sent: list[int] = []
         while not stop.is_set():
-            for path in self.pending():
-                steps = self.send(path)
+            for unit in self.pending():
+                steps = self.send(unit)
                 sent.extend(steps)
-                logger.info("collapse-monitor: %s -> steps %s", path.name, steps)
+                logger.info("collapse-monitor: %s -> steps %s", unit.key, steps)
             if once:
                 break
             stop.wait(poll_seconds)
         return sent
 
 
-def _order(path: Path) -> tuple[int, float, str]:
-    # verl names files {global_step}.jsonl, TRL completions_{step:05d}.parquet; other names follow in
-    # order of modification.
-    step = int(path.stem) if path.stem.isdigit() else file_step(path)
-    if step is not None:
-        return (0, float(step), path.name)
-    return (1, path.stat().st_mtime, path.name)
+@dataclass(eq=False)
+class AlertHook:
+    """What ``follow`` does when an alert enters one of the watched states: a stop file, a command.
+
+    The stop file gets the alert's description (written atomically, so a trainer polling for it never
+    reads half of it); the command runs through the shell with the alert in its environment
+    (``COLLAPSE_MONITOR_RUN``, ``_RULE``, ``_STATE``, ``_STEP``, ``_SAMPLER``, ``_SUMMARY``). Both
+    happen on the watcher's thread, never in the way of the files being sent.
+    """
+
+    run: str
+    stop_file: Path | None = None
+    command: str | None = None
+    command_timeout_seconds: float = 60.0
+
+    def __call__(self, event: AlertEvent) -> None:
+        logger.warning("collapse-monitor: %s: %s", event.describe(), event.summary)
+        if self.stop_file is not None:
+            tmp = self.stop_file.with_name(f".{self.stop_file.name}.tmp")
+            tmp.write_text(f"{event.describe()}\n{event.summary}\n")
+            os.replace(tmp, self.stop_file)
+            logger.warning("collapse-monitor: wrote the stop file %s", self.stop_file)
+        if self.command is not None:
+            env = {
+                **os.environ,
+                "COLLAPSE_MONITOR_RUN": self.run,
+                "COLLAPSE_MONITOR_RULE": event.rule,
+                "COLLAPSE_MONITOR_STATE": event.state,
+                "COLLAPSE_MONITOR_STEP": str(event.step),
+                "COLLAPSE_MONITOR_SAMPLER": event.sampler,
+                "COLLAPSE_MONITOR_SUMMARY": event.summary,
+            }
+            try:
+                # through the shell: it is the user's own command line, as they typed it
+                done = subprocess.run(
+                    self.command, shell=True, env=env, timeout=self.command_timeout_seconds, check=False
+                )
+            except subprocess.TimeoutExpired:
+                logger.error("collapse-monitor: the alert command ran past %gs", self.command_timeout_seconds)
+                return
+            log = logger.warning if done.returncode == 0 else logger.error
+            log("collapse-monitor: the alert command exited with %d", done.returncode)
+
+
+def _stat(unit: StepUnit) -> tuple[int, int]:
+    """Total size and newest modification time of a step's files."""
+    stats = [p.stat() for p in unit.paths]
+    return sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)
+
+
+def _order(unit: StepUnit) -> tuple[int, float, str]:
+    # steps named by their paths first, in step order; others in order of modification
+    if unit.step is not None:
+        return (0, float(unit.step), unit.key)
+    return (1, _stat(unit)[1] / 1e9, unit.key)
 
 
 def _content_key(batches: dict[int, list[Any]]) -> str:
@@ -184,16 +246,27 @@ def _content_key(batches: dict[int, list[Any]]) -> str:
     return hashlib.sha256(content.encode()).hexdigest()
 
 
-def _has_parquet_footer(path: Path, size: int) -> bool:
+def _has_parquet_footer(path: Path) -> bool:
     """Whether the file ends with a parquet footer: its length (4 bytes, little-endian), then ``PAR1``."""
-    if size < 12:
-        return False
     with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < 12:
+            return False
         f.seek(size - 8)
         tail = f.read(8)
     if len(tail) != 8 or tail[4:] != b"PAR1":
         return False
     return int.from_bytes(tail[:4], "little") + 12 <= size
+
+
+def _ends_with_zip_directory(path: Path) -> bool:
+    """Whether a torch file is whole: its zip end-of-directory record (22 bytes, no comment) ends it."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < 22:
+            return False
+        f.seek(size - 22)
+        return f.read(4) == ZIP_END
 
 
 def _ends_with_newline(path: Path) -> bool:

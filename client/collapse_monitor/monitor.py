@@ -18,13 +18,13 @@ import operator
 import os
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from collapse_monitor.alerts import STATES, AlertEvent, AlertWatcher, check_filters
+from collapse_monitor.alerts import STATES, AlertActions, AlertEvent, AlertWatcher, check_filters
 from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices, sendable_figures
 from collapse_monitor.sender import Request, Sender, Stats
 from collapse_monitor.spool import Spool
@@ -164,6 +164,8 @@ class Monitor:
         self._pid = os.getpid()
         self._warned: set[str] = set()
         self._watchers: list[AlertWatcher] = []
+        self._actions: AlertActions | None = None
+        self._last_step: int | None = None
         self._exit_hook = functools.partial(_close_at_exit, self)
         if strict and enabled:
             try:
@@ -207,6 +209,7 @@ class Monitor:
         except TrajectoryError as e:
             self.invalid(step, str(e), e)
             return
+        self._last_step = step
         kept = sample_indices(
             [r["group_id"] for r in rows], max_groups=self.max_groups, max_rows=self.max_rows, seed=self.seed, step=step
         )
@@ -373,6 +376,56 @@ class Monitor:
                 atexit.register(self._exit_hook)  # close() stops the watcher; _start() registers it again harmlessly
         watcher.start()
         return watcher
+
+    def act_on_alerts(
+        self,
+        *,
+        save_on: Collection[str] = ("pending",),
+        stop_on: Collection[str] = ("firing",),
+        rules: Iterable[str] | None = ("TemplateCollapse",),
+        interval: float = 10.0,
+    ) -> AlertActions:
+        """Says which alerts ``should_save()`` and ``should_stop()`` answer for, and starts watching them.
+
+        Optional: the first ``should_stop()`` or ``should_save()`` starts watching with these
+        defaults (TemplateCollapse: save when it becomes pending, stop when it fires). Returns the
+        ``AlertActions`` (its ``history`` holds every decision); called again with other settings,
+        raises ValueError.
+        """
+        actions = AlertActions(save_on=save_on, stop_on=stop_on, rules=rules)
+        with self._lock:
+            if self._actions is not None:
+                same = (self._actions.rules, self._actions.save_on, self._actions.stop_on)
+                if same != (actions.rules, actions.save_on, actions.stop_on):
+                    raise ValueError("this monitor already acts on other alerts; call act_on_alerts() once, first")
+                return self._actions
+            self._actions = actions
+        if actions.states:
+            actions.watcher = self.on_alert(actions, rules=actions.rules, states=actions.states, interval=interval)
+        return actions
+
+    def should_stop(self, step: int | None = None) -> bool:
+        """Whether an alert asked the training loop to stop (default: TemplateCollapse fired); stays asked.
+
+        For loops without callbacks (verl's ``RayPPOTrainer.fit``), next to ``log_batch``::
+
+            is_last_step = is_last_step or monitor.should_stop()
+
+        Reads what the background watcher queued: never a network call, a few microseconds. The
+        first call starts the watcher (``act_on_alerts`` sets what it watches), so an alert becomes
+        visible within its poll interval of being scored. ``step`` (default: the last step logged)
+        goes into the log line that records the decision. A disabled monitor never asks.
+        """
+        return self.act_on_alerts().should_stop(self._step_now(step))
+
+    def should_save(self, step: int | None = None) -> bool:
+        """Whether an alert asked for a checkpoint (default: TemplateCollapse became pending) since the last True."""
+        return self.act_on_alerts().should_save(self._step_now(step))
+
+    def _step_now(self, step: int | None) -> int:
+        if step is not None:
+            return step
+        return self._last_step if self._last_step is not None else -1
 
     # Reading back ---------------------------------------------------------------------------
 

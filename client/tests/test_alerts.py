@@ -239,3 +239,28 @@ def test_an_outage_costs_no_event_and_repeats_none(service, run_name, tmp_path, 
     assert "can be read again" in caplog.text
     monitor.close()
     proxy.stop()
+
+
+def test_should_stop_next_to_log_batch_ends_the_loop_at_the_step_the_alert_is_seen_firing(service, run_name, tmp_path):
+    """verl's fit, reduced to what the added line touches: ``is_last_step = is_last_step or monitor.should_stop()``."""
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)
+    monitor.act_on_alerts(interval=0.1)  # optional: the first should_stop() would start it with these defaults
+    saved, last = [], None
+    for step in range(1, 10):
+        monitor.log(step, trajectories(step))  # log_batch(monitor, self.global_steps, batch, self.tokenizer)
+        monitor.flush()
+        post_matrices(service.url, run_name, {step: step > 1})  # the service scores: collapsed from step 2
+        polls_after(monitor)  # a real step lasts longer than a poll
+        if monitor.should_save():
+            saved.append(step)  # the user's own self._save_checkpoint()
+        is_last_step = step == 9 or monitor.should_stop()
+        if is_last_step:  # verl saves, validates and returns as at its planned end
+            last = step
+            break
+    assert saved == [2]  # TemplateCollapse became pending at step 2 ...
+    assert last == 3  # ... and fired at step 3 (window 2): the loop ended there
+    assert monitor.should_stop()  # stays asked
+    with pytest.raises(ValueError, match="already acts on other alerts"):
+        monitor.act_on_alerts(stop_on=("pending",))
+    monitor.close()
+    assert not Monitor(service.url, run_name, enabled=False).should_stop()  # a disabled monitor never asks

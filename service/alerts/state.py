@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from service.alerts.notifications import notifications
 from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, Series, needed_series
-from service.schemas.alerts import AlertSettings, RuleName
+from service.schemas.alerts import AlertSettings
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import alerts, runs
@@ -65,7 +65,7 @@ class _Found:
     replayed the whole history (then ``episodes`` are all of them)."""
 
     episodes: list[Episode]
-    dropped: list[tuple[RuleName, int]] = field(default_factory=list)
+    dropped: list[Episode] = field(default_factory=list)
     is_whole: bool = True
 
 
@@ -107,7 +107,7 @@ def _evaluate(
         new = _until(alerts.alert_series(session, run.id, sampler, names), before)
         replay = Replay(run.name, sampler, config)
         replay.feed(new)
-        found = _Found(replay.episodes(lost))
+        found = _Found(replay.episodes(lost), replay.dropped)
     newest = max((s for points in new.values() for s, _ in points), default=-1)
     checkpoint.state, checkpoint.rules_key, checkpoint.segment = replay.state(), key, current
     checkpoint.step, checkpoint.updated_at = max(newest, checkpoint.step if resumable else -1), utcnow()
@@ -124,15 +124,19 @@ def _reconcile(session: Session, run_id: int, sampler: str, step: int, found: _F
     """Makes the stored alerts of one (run, sampler) match what the evaluation found; returns what changed.
 
     After a whole replay every stored alert is compared; after a resumed one only those it touched
-    (the rest cannot have changed: their episodes ended before the checkpoint).
+    (the rest cannot have changed: their episodes ended before the checkpoint). A pending episode
+    whose condition broke is kept as a record in state ``dropped``, with its figures: nothing is notified.
     """
+    touched = [*found.episodes, *found.dropped]
     if found.is_whole:
         stored = {(a.rule, a.onset_step): a for a in alerts.alerts_of(session, run_id, sampler)}
     else:
-        onsets = [e.onset_step for e in found.episodes] + [onset for _, onset in found.dropped]
-        stored = {(a.rule, a.onset_step): a for a in alerts.alerts_at(session, run_id, sampler, onsets)}
+        stored = {
+            (a.rule, a.onset_step): a
+            for a in alerts.alerts_at(session, run_id, sampler, [e.onset_step for e in touched])
+        }
     events: list[tuple[Alert, Event]] = []
-    for episode in found.episodes:
+    for episode in touched:
         alert = stored.pop((episode.rule, episode.onset_step), None)
         before = alert.state if alert is not None else None
         if alert is None:
@@ -145,13 +149,12 @@ def _reconcile(session: Session, run_id: int, sampler: str, step: int, found: _F
             events.append((alert, "resolved"))
         elif episode.state == "firing" and episode.last_step == step:
             events.append((alert, "refresh"))
-    gone = set(found.dropped) if not found.is_whole else set(stored)
-    for key, alert in stored.items():
-        if key not in gone:
-            continue
-        if alert.state == "pending":
-            session.delete(alert)  # its condition broke before it fired: nothing to tell
-        elif alert.state == "firing" and found.is_whole:
+    # After a whole replay, what is left is history it no longer has (after a resumed one: other rules'
+    # alerts that began at a step the replay touched, unchanged).
+    for alert in stored.values() if found.is_whole else ():
+        if alert.state in ("pending", "dropped"):
+            session.delete(alert)
+        elif alert.state == "firing":
             # The history it fired on was superseded (the run resumed from an earlier step).
             alert.state, alert.resolved_step, alert.updated_at = "resolved", alert.last_step, utcnow()
             alert.summary += f" (superseded: the run resumed before step {alert.onset_step})"

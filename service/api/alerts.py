@@ -14,7 +14,14 @@ from service.schemas.rows import from_row
 from service.storage import alerts
 
 router = APIRouter(tags=["alerts"])
-StateFilter = Annotated[AlertState | None, Query(alias="state", description="Only this state.")]
+StateFilter = Annotated[
+    AlertState | None,
+    Query(
+        alias="state",
+        description="Only this state. Without it: pending, firing and resolved alerts; dropped ones (pending "
+        "episodes whose condition broke before they fired, kept as records) only with state=dropped.",
+    ),
+]
 RuleFilter = Annotated[RuleName | None, Query(description="Only this rule.")]
 
 

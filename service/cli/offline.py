@@ -89,6 +89,7 @@ def run_filter(args: argparse.Namespace) -> Any:
 
 def run_score(args: argparse.Namespace) -> Any:
     from scoring import ScoringBatch, load_scorer, score_batch
+    from scoring.dependence import DEFAULT_HEAD_TOKENS, scored_signals
     from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
     from scoring.window import fit_window, sequence_limit
 
@@ -105,6 +106,7 @@ def run_score(args: argparse.Namespace) -> Any:
             dtype=args.dtype,
             temperature=args.temperature,
             max_batch_tokens=args.max_batch_tokens,
+            head_tokens=(DEFAULT_HEAD_TOKENS,),
         ),
         "--",
     )
@@ -135,8 +137,11 @@ def run_score(args: argparse.Namespace) -> Any:
         EstimatorConfig(),
         batch.column_group_ids,
     )
-    entropy = token_entropy_stats(scores.token_entropy)
-    result = SamplerResult.of(diagnostics, batch.n_rows, batch.n_columns, entropy, cut)
+    figures = {
+        **token_entropy_stats(scores.token_entropy),
+        **scored_signals(scores, batch, diagnostics, DEFAULT_HEAD_TOKENS),
+    }
+    result = SamplerResult.of(diagnostics, batch.n_rows, batch.n_columns, figures, cut)
     return {
         "model": args.model,
         **result.model_dump(mode="json"),

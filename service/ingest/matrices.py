@@ -12,6 +12,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from scoring.dependence import DependenceConfig, dependence_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from service.errors import Conflict, InvalidRequest, NotFound, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
@@ -152,8 +153,11 @@ def score_matrix(payload: MatrixBatchIn, ema: EmaState, filter_settings: dict[st
             payload.row_group_ids, list(payload.rewards), filter_settings
         )
         scored.points += [Point(ALL, name, value) for name, value in scored.result.figures.items()]
-    entropy = token_entropy_stats([np.asarray(e) for e in payload.token_entropy or []])
+    figures = token_entropy_stats([np.asarray(e) for e in payload.token_entropy or []])
+    if diagnostics.metrics:
+        prompts = payload.column_prompt_tokens
+        figures |= dependence_signals(L_tok, diagnostics.metrics, columns, prompts, None, DependenceConfig())
     matrix = MatrixRecord(payload.sampler, L_tok, columns, group_ids)
-    scored.add_sampler(payload.sampler, diagnostics, new_ema, matrix, entropy)
+    scored.add_sampler(payload.sampler, diagnostics, new_ema, matrix, figures)
     scored.result.skipped_reason = diagnostics.skipped_reason
     return scored

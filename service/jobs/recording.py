@@ -59,16 +59,17 @@ class ScoredBatch:
         diagnostics: Diagnostics,
         ema: EmaState,
         matrix: MatrixRecord,
-        entropy: dict[str, float],
+        figures: dict[str, float],
         cut: WindowCut | None = None,
     ) -> None:
         """One sampler's diagnostics: its result, its points, and its EMA and matrix when it scored anything.
 
+        ``figures``: what is computed beside RAGEN's metrics (token entropies, ``scoring.dependence``'s signals).
         ``cut`` is what the window cut from the rows the service scored (None for an uploaded matrix)."""
         rows, columns = matrix.L_tok.shape
         self.result.samplers = self.result.samplers or {}
-        self.result.samplers[sampler] = SamplerResult.of(diagnostics, rows, columns, entropy, cut)
-        self.points.extend(sampler_points(sampler, diagnostics, entropy, rows, columns, cut))
+        self.result.samplers[sampler] = SamplerResult.of(diagnostics, rows, columns, figures, cut)
+        self.points.extend(sampler_points(sampler, diagnostics, figures, rows, columns, cut))
         if diagnostics.metrics:
             self.ema[sampler] = ema
             self.matrices.append(matrix)
@@ -77,15 +78,15 @@ class ScoredBatch:
 def sampler_points(
     sampler: str,
     diagnostics: Diagnostics,
-    entropy: dict[str, float],
+    figures: dict[str, float],
     rows: int,
     columns: int,
     cut: WindowCut | None = None,
 ) -> list[Point]:
-    """The stored series of one sampler's diagnostics: metrics, entropies, interval bounds, standard
-    errors, shape, and what the window cut."""
+    """The stored series of one sampler's diagnostics: metrics, the figures beside them (entropies,
+    dependence signals), interval bounds, standard errors, shape, and what the window cut."""
     values = dict(diagnostics.metrics)
-    values.update(entropy)
+    values.update(figures)
     for name, (low, high) in diagnostics.intervals.items():
         values[f"{name}_ci_low"], values[f"{name}_ci_high"] = low, high
     for name, error in diagnostics.standard_errors.items():

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from scoring.budget import Plan, subset
 from scoring.cross_scores import score_batch
+from scoring.dependence import scored_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, sample_rows
@@ -95,12 +96,15 @@ def score_rollouts(
             EstimatorConfig(bootstrap_seed=run.seed + index),
             labels,
         )
-        entropy = token_entropy_stats(cross.token_entropy)
+        figures = {
+            **token_entropy_stats(cross.token_entropy),
+            **scored_signals(cross, batch, diagnostics, settings.head_tokens, seed=run.seed + index),
+        }
         excerpts = reasoning_excerpts(
             payload, rows.sources, rows.batch.column_of_row, cross.L_tok.shape[1], run.reasoning_extraction
         )
         matrix = MatrixRecord(sampler, cross.L_tok, rows.batch.column_of_row, labels, rows.sources, excerpts)
-        scored.add_sampler(sampler, diagnostics, ema, matrix, entropy, cut)
+        scored.add_sampler(sampler, diagnostics, ema, matrix, figures, cut)
         result = (scored.result.samplers or {})[sampler]
         result.plan = budget.result(plan, seconds, cross.tokens_processed, cut.max_reasoning_tokens)
         scored.points.append(Point(sampler, "planned_rows_ratio", plan.planned_rows_ratio))

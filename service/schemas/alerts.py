@@ -5,6 +5,7 @@ The rules themselves are in ``service.alerts.rules``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import (
@@ -18,11 +19,48 @@ from service.schemas.rows import IsoTime
 # Alert settings and names (the rules themselves: service.alerts.rules) ------------------------
 
 RuleName = Literal["TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"]
-AlertState = Literal["pending", "firing", "resolved"]
+# dropped: a pending episode whose condition broke before it fired, kept as a record (listed only when asked).
+AlertState = Literal["pending", "firing", "resolved", "dropped"]
 Severity = Literal["critical", "warning"]
 MAX_WINDOW = 1000  # scored steps; a replay's saved state holds up to baseline_steps values per series
-SIGNAL_THRESHOLDS = {"mi_zscore_ema": 0.0, "retrieval_above_chance": 0.02, "mi_estimate": 0.01}
-Signal = Literal["retrieval_above_chance", "mi_cusum", "mi_zscore_ema", "mi_estimate"]
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    """A signal TemplateCollapse can watch: a stored series that falls as input dependence goes."""
+
+    threshold: float  # the absolute level it must stay above (the relative drop may set a higher one)
+    unit: str
+    entropy: str = "conditional_entropy_est"  # the H(Z|X) whose band the rule checks: of the same tokens
+
+
+CUSUM = "mi_cusum"  # not a stored series: the rule's CUSUM of mi_estimate and mi_estimate_se
+HEAD_ENTROPY = "conditional_entropy_head_est"
+# The one registry of signals (``Signal`` names them for the schema; a test keeps the two equal).
+SIGNALS = {
+    "mi_zscore_ema": SignalSpec(0.0, "z"),
+    "retrieval_above_chance": SignalSpec(0.02, "share of rows"),
+    "mi_estimate": SignalSpec(0.01, "nats per token"),
+    CUSUM: SignalSpec(0.0, "standard errors (a level it rises above: cusum_threshold)"),
+    "mi_head_estimate": SignalSpec(0.01, "nats per token", HEAD_ENTROPY),
+    "mi_head_excess": SignalSpec(0.01, "nats per token", HEAD_ENTROPY),
+    "mi_excess": SignalSpec(0.01, "nats per token"),
+    "mi_seq_normalized": SignalSpec(0.01, "share of ln N"),
+    "retrieval_chance_corrected": SignalSpec(0.02, "share of the way from chance to every row"),
+    "retrieval_mrr": SignalSpec(0.0, "mean reciprocal rank"),
+}
+Signal = Literal[
+    "mi_zscore_ema",
+    "retrieval_above_chance",
+    "mi_estimate",
+    "mi_cusum",
+    "mi_head_estimate",
+    "mi_head_excess",
+    "mi_excess",
+    "mi_seq_normalized",
+    "retrieval_chance_corrected",
+    "retrieval_mrr",
+]
 
 
 class AlertSettings(BaseModel):
@@ -45,7 +83,7 @@ class AlertSettings(BaseModel):
         le=1e6,
         allow_inf_nan=False,
         description="Absolute level the signal must stay above; default per signal: "
-        + ", ".join(f"{name} {value}" for name, value in SIGNAL_THRESHOLDS.items())
+        + ", ".join(f"{name} {spec.threshold}" for name, spec in SIGNALS.items() if name != CUSUM)
         + " (mi_estimate in nats per token).",
     )
     drop_fraction: float = Field(0.2, gt=0, le=1, description="Relative drop from the baseline that counts.")
@@ -94,7 +132,7 @@ class AlertSettings(BaseModel):
 
     @property
     def signal_threshold(self) -> float:
-        return self.threshold if self.threshold is not None else SIGNAL_THRESHOLDS[self.signal]
+        return self.threshold if self.threshold is not None else SIGNALS[self.signal].threshold
 
 
 # Integers stored in 32-bit columns (steps, seeds, counts) are bounded where they enter, so both

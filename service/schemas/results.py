@@ -78,7 +78,10 @@ class SamplerResult(BaseModel):
 
     rows: int = 0
     columns: int = 0
-    metrics: dict[str, float] = Field(default_factory=dict, description="RAGEN metric names and token entropies.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict,
+        description="RAGEN metric names, token entropies and the length-robust dependence signals (docs/scoring.md).",
+    )
     intervals: dict[str, tuple[float, float]] = Field(default_factory=dict, description="95% bootstrap intervals.")
     per_prompt: list[PromptBreakdown] = Field(default_factory=list)
     lost_group_ids: list[int] = Field(
@@ -94,14 +97,14 @@ class SamplerResult(BaseModel):
         diagnostics: Diagnostics,
         rows: int,
         columns: int,
-        entropy: dict[str, float],
+        figures: dict[str, float],
         cut: WindowCut | None = None,
     ) -> SamplerResult:
         return cls(
             rows=rows,
             columns=columns,
             window=None if cut is None else WindowResult.model_validate(cut, from_attributes=True),
-            metrics={**diagnostics.metrics, **entropy},
+            metrics={**diagnostics.metrics, **figures},
             intervals=dict(diagnostics.intervals),
             per_prompt=[PromptBreakdown.of(c) for c in diagnostics.columns],
             lost_group_ids=[c.group_id for c in diagnostics.columns if c.lost_input_dependence],

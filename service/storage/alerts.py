@@ -112,11 +112,11 @@ def alerts_of(session: Session, run_id: int, sampler: str) -> Sequence[Alert]:
 def list_alerts(
     session: Session, run_id: int | None = None, state: str | None = None, rule: str | None = None
 ) -> Sequence[tuple[Alert, str]]:
+    """Alerts (and their run's name), oldest first; dropped records only when ``state`` asks for them."""
     query = select(Alert, Run.name).join(Run, Run.id == Alert.run_id)
     if run_id is not None:
         query = query.where(Alert.run_id == run_id)
-    if state is not None:
-        query = query.where(Alert.state == state)
+    query = query.where(Alert.state == state) if state is not None else query.where(Alert.state != "dropped")
     if rule is not None:
         query = query.where(Alert.rule == rule)
     return [(a, n) for a, n in session.execute(query.order_by(Alert.id)).all()]

@@ -67,8 +67,8 @@ const api = {
     return api.runPath(run) + "/metrics" + api.query({ names: names.join(","), sampler, format: "csv" });
   },
 
-  async alerts(run) {
-    return api.get(api.runPath(run) + "/alerts");
+  async alerts(run, state) {
+    return api.get(api.runPath(run) + "/alerts" + (state ? `?state=${encodeURIComponent(state)}` : ""));
   },
 
   // One scored step: the cross-scoring matrix (rows grouped by prompt) and the per-prompt breakdown.

@@ -61,6 +61,11 @@ const charts = {
         );
       };
       for (const e of state.episodes) {
+        if (e.state === "dropped") {
+          span(e.onset_step, e.step ?? e.onset_step, "dropped", e); // went pending, never fired
+          mark(e.onset_step, "onset", e);
+          continue;
+        }
         // An episode still open runs to the newest step the page has.
         const end = e.resolved_step ?? Math.max(e.step ?? e.onset_step, state.lastStep ?? e.onset_step);
         const pendingEnd = e.fired_step ?? end;

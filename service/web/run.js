@@ -40,6 +40,27 @@ const CHARTS = [
     }),
   },
   {
+    id: "dependence",
+    title: "Input dependence, length-robust: MI of each reasoning's opening, MI over its permutation null",
+    unit: "nats / token",
+    series: [
+      { name: "mi_head_estimate", label: "MI, first head_tokens tokens", color: "#0550ae" },
+      { name: "mi_head_excess", label: "... over its null", color: "#8250df" },
+      { name: "mi_excess", label: "MI over its null, all tokens", color: "#6e7781", dash: [6, 4] },
+    ],
+  },
+  {
+    id: "dependence-shares",
+    title: "Input dependence as shares: retrieval from chance to all, reciprocal rank, MI of its ceiling ln N",
+    unit: "share",
+    series: [
+      { name: "retrieval_chance_corrected", label: "retrieval, chance-corrected", color: "#8250df" },
+      { name: "retrieval_mrr", label: "mean reciprocal rank", color: "#bf3989" },
+      { name: "mi_seq_normalized", label: "sequence MI / ln N", color: "#0550ae" },
+      { name: "mi_permutation_p", label: "p, no dependence", color: "#cf222e", dash: [2, 3], width: 1 },
+    ],
+  },
+  {
     id: "entropy",
     title: "Reasoning entropy: H(Z|X) within input, H(Z) across inputs",
     unit: "nats / token",
@@ -316,7 +337,9 @@ async function loadLag() {
 }
 
 async function loadAlerts() {
-  page.alerts = await api.alerts(RUN);
+  // Dropped episodes (pending ones whose condition broke before they fired) are records, asked for apart.
+  const [counting, dropped] = await Promise.all([api.alerts(RUN), api.alerts(RUN, "dropped")]);
+  page.alerts = [...counting, ...dropped].sort((a, b) => a.id - b.id);
   renderAlerts();
 }
 

@@ -156,3 +156,23 @@ def test_alerts_can_be_filtered_by_state_rule_and_run(database_url, client_for):
     assert missing.status_code == 404
     bad = client.get("/v1/alerts", params={"state": "exploded"})
     assert bad.status_code == 422
+
+
+def test_a_pending_alert_whose_condition_breaks_is_kept_as_a_dropped_record_and_notifies_nobody(
+    database_url, client_for, receiver
+):
+    hooks = receiver()
+    client = client_for(database_url, scoring_paused=True, alert_webhooks=[hooks.url])
+    client.post("/v1/runs", json={"name": "r", "alerts": {"signal": "mi_estimate", "window": 3}})
+    feed(client, "r", [1.5] * 5 + [0.0] * 2)
+    (pending,) = client.get("/v1/runs/r/alerts").json()
+    assert (pending["state"], pending["onset_step"]) == ("pending", 6)
+    feed(client, "r", [1.5] * 2, start=8)  # the condition broke before it held 3 steps
+    assert client.get("/v1/runs/r/alerts").json() == []  # nothing to act on
+    (dropped,) = client.get("/v1/runs/r/alerts", params={"state": "dropped"}).json()
+    assert dropped["id"] == pending["id"]
+    assert (dropped["state"], dropped["onset_step"], dropped["fired_step"], dropped["step"]) == ("dropped", 6, None, 7)
+    assert dropped["value"] < dropped["threshold"]  # its figures at its last held step
+    assert "fell below" in dropped["summary"]
+    assert hooks.requests == []
+    assert 'state="dropped"' not in client.get("/metrics").text

@@ -217,10 +217,18 @@ def after(series, done, upto):
 
 
 def reconcile_whole(stored, episodes):
-    """What storage keeps after a whole replay (alert_state): pending episodes that vanished go, others stay."""
+    """What storage keeps after a whole replay (alert_state): pending and dropped episodes that vanished go,
+    others stay."""
     found = {(e.rule, e.onset_step): e for e in episodes}
-    kept = {key: e for key, e in stored.items() if key in found or e.state != "pending"}
+    kept = {key: e for key, e in stored.items() if key in found or e.state not in ("pending", "dropped")}
     return kept | found
+
+
+def replayed(sampler, series, config, lost):
+    """Every episode a whole replay gives, the dropped ones too (what storage records)."""
+    replay = Replay("r", sampler, config)
+    replay.feed(series)
+    return replay.episodes(lost) + replay.dropped
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -247,16 +255,13 @@ def test_resuming_a_replay_from_its_saved_state_gives_what_the_whole_history_giv
         try:
             replay = Replay("r", sampler, config, state)
             replay.feed(after(series, done, upto))
-            for key in replay.dropped:
-                if key in stored and stored[key].state == "pending":
-                    del stored[key]
-            stored |= {(e.rule, e.onset_step): e for e in replay.episodes(lost)}
+            stored |= {(e.rule, e.onset_step): e for e in replay.episodes(lost) + replay.dropped}
         except Rewind:  # the intervals appeared late: the history is replayed, as storage then does
             replay = Replay("r", sampler, config)
             replay.feed(after(series, 0, upto))
-            stored = reconcile_whole(stored, replay.episodes(lost))
+            stored = reconcile_whole(stored, replay.episodes(lost) + replay.dropped)
         state = json.loads(json.dumps(replay.state()))  # stored as JSON between steps
-        whole = reconcile_whole(whole, evaluate("r", sampler, after(series, 0, upto), config, lost))
+        whole = reconcile_whole(whole, replayed(sampler, after(series, 0, upto), config, lost))
         assert stored == whole, f"after step {upto}"
         done = upto
     assert whole  # the history raised alerts
@@ -274,3 +279,51 @@ def test_intervals_that_appear_after_steps_were_judged_without_them_rewind_the_r
     with pytest.raises(Rewind):
         Replay("r", "s", config, json.loads(json.dumps(replay.state()))).feed(after(history, 8, 10))
     assert evaluate("r", "s", history, config) == []  # with the noise guard none of the steps counts
+
+
+@pytest.mark.parametrize("sampler", ["first_turn", "all"])
+def test_a_saved_state_lacking_a_rule_or_of_another_shape_is_replayed_from_the_start(sampler):
+    config = ZSCORE
+    replay = Replay("r", sampler, config)
+    replay.feed(template_series([4.0] * 6) | {"rollout/in_group_reward_std": steps([0.2] * 6)})
+    state = json.loads(json.dumps(replay.state()))
+    Replay("r", sampler, config, state)  # the state as saved resumes
+    for name in state:  # a rule added since the state was saved must take its baseline from the first steps
+        with pytest.raises(Rewind):
+            Replay("r", sampler, config, {k: v for k, v in state.items() if k != name})
+    reshaped = {name: {**rule, "machine": {**rule["machine"], "latest_inputs": []}} for name, rule in state.items()}
+    with pytest.raises(Rewind):
+        Replay("r", sampler, config, reshaped)
+    renamed_row = {
+        name: {**rule, "machine": {**rule["machine"], "latest_row": {"old": 1.0}}} for name, rule in state.items()
+    }
+    with pytest.raises(Rewind):
+        Replay("r", sampler, config, renamed_row)
+
+
+def test_every_signal_the_schema_accepts_has_a_row_in_the_registry():
+    from typing import get_args
+
+    from service.schemas.alerts import SIGNALS, Signal
+
+    assert set(get_args(Signal)) == set(SIGNALS)
+
+
+def test_a_pending_episode_that_breaks_is_kept_as_a_dropped_record_with_its_figures():
+    config = ZSCORE  # window 3: two low steps go pending, the third would fire
+    signal = [4.0, 4.2, 3.8, 4.1, 4.0, 3.9, 1.0, 0.9, 3.9, 4.0]
+    replay = Replay("ppo-7", "first_turn", config)
+    replay.feed(template_series(signal))
+    assert replay.episodes() == []
+    (dropped,) = replay.dropped
+    assert (dropped.rule, dropped.state, dropped.onset_step, dropped.fired_step, dropped.last_step) == (
+        "TemplateCollapse",
+        "dropped",
+        7,
+        None,
+        8,
+    )
+    assert dropped.value == 0.9  # the figures of its last held step
+    assert dropped.threshold == pytest.approx(2.4)
+    assert "fell below 2.4" in dropped.summary
+    assert evaluate("ppo-7", "first_turn", template_series(signal), config) == []  # never an alert to act on

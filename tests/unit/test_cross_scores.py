@@ -15,6 +15,9 @@ from tests.conftest import VOCAB, random_batch, tiny_scorer, trajectory_batch
 
 def assert_scores_close(a, b, atol):
     np.testing.assert_allclose(a.L_seq, b.L_seq, atol=atol, rtol=0)
+    assert a.L_head.keys() == b.L_head.keys()
+    for k in a.L_head:
+        np.testing.assert_allclose(a.L_head[k], b.L_head[k], atol=atol, rtol=0)
     np.testing.assert_allclose(a.L_tok, b.L_tok, atol=atol, rtol=0)
     np.testing.assert_array_equal(a.reasoning_lengths, b.reasoning_lengths)
     for ea, eb in zip(a.token_entropy, b.token_entropy, strict=True):
@@ -31,6 +34,22 @@ def test_batched_scores_match_pairwise_reference(family, dtype, atol, budget):
     fast = score_batch(scorer, batch, config)
     naive = score_batch_naive(scorer, batch, temperature=0.7, micro_batch_size=4)
     assert_scores_close(fast, naive, atol)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("budget", [40, 100_000])
+def test_head_sums_are_the_first_k_tokens_of_each_pair(family, budget):
+    scorer = tiny_scorer(family, torch.float64)
+    batch = random_batch(seed=3)
+    heads = (1, 2, 5, 1000)
+    fast = score_batch(scorer, batch, ScoringConfig(max_batch_tokens=budget, head_tokens=heads))
+    naive = score_batch_naive(scorer, batch, micro_batch_size=4, head_tokens=heads)
+    assert_scores_close(fast, naive, 1e-10)
+    # past every reasoning's length the head is the whole reasoning; one token is the first token alone
+    np.testing.assert_allclose(fast.L_head[1000], fast.L_seq, atol=1e-10, rtol=0)
+    assert not np.allclose(fast.L_head[2], fast.L_seq)
+    lengths = batch.reasoning_lengths
+    assert (fast.L_head[1][lengths == 0] == 0).all()
 
 
 @pytest.mark.parametrize("fold_below", [0, 10**9])  # segments attended by the queries in place, or folded

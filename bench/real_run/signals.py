@@ -1,0 +1,270 @@
+"""Which signal sees template collapse on real training, and when: the zoo's table (issue 27).
+
+    python -m bench.real_run.signals [--out bench/real_run/zoo/signals.json]
+
+Reads the zoo (``bench.real_run.zoo``: each arm's recorded steps and the service's scoring of them)
+and judges every TemplateCollapse signal against an independent, words-only ground truth:
+
+* **Ground truth** per step: word retrieval above chance (``tasks.word_retrieval``: each completion
+  matched to the batch's questions by the slot words it writes, chance-corrected). Its baseline is
+  the mean of steps 1-3; an arm **collapsed** at the first step from 4 on where the ground truth is
+  below half its baseline and stays there the next step (or it is the last step). An arm that never
+  does is healthy, whatever its driver was meant to do.
+* **Signals**: each candidate is the service's own rule (``service.alerts.rules.evaluate``) on the
+  arm's stored series, with the run defaults but for the signal (and the variants named in
+  ``CANDIDATES``); head budgets other than the service's are computed from the stored head sums with
+  the service's formulas (``scoring.dependence``).
+* **Per signal**: detections (fired on a collapsed arm), the delay of each (fired step - crossing
+  step; negative: before the ground truth crossed), false alarms (fired on a healthy arm), and the
+  Spearman correlation of the signal's series with task success and with the ground truth, per arm
+  (their mean) and pooled over every arm's steps (the paper's table, at this scale).
+* **Prompts per step** (item 2): the same rules on the matrices restricted to the first 4 and 6 of
+  the 8 prompts of every step, to see what a smaller scored batch can still detect.
+
+Prints the table as JSON and writes it to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.real_run import tasks, zoo
+from scoring.dependence import DependenceConfig, dependence_signals, head_per_token
+from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, per_token
+from service.alerts.rules import evaluate
+from service.schemas.alerts import AlertSettings
+
+GROUND_TRUTH = "word_retrieval_above_chance"
+SERVICE_HEAD = 32  # the head budget the zoo's service computed (Settings.head_tokens when it scored)
+# (label, AlertSettings fields, which series: "service" as stored, or "head@k" with the head budget k)
+CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
+    ("retrieval_above_chance (default)", {}, "service"),
+    ("mi_cusum", {"signal": "mi_cusum"}, "service"),
+    ("mi_estimate", {"signal": "mi_estimate"}, "service"),
+    ("mi_zscore_ema", {"signal": "mi_zscore_ema"}, "service"),
+    ("retrieval_chance_corrected", {"signal": "retrieval_chance_corrected"}, "service"),
+    ("retrieval_mrr", {"signal": "retrieval_mrr"}, "service"),
+    ("mi_seq_normalized", {"signal": "mi_seq_normalized"}, "service"),
+    ("mi_excess", {"signal": "mi_excess"}, "service"),
+    ("mi_head_estimate k=8", {"signal": "mi_head_estimate"}, "head@8"),
+    ("mi_head_estimate k=16", {"signal": "mi_head_estimate"}, "head@16"),
+    ("mi_head_estimate k=32", {"signal": "mi_head_estimate"}, "head@32"),
+    ("mi_head_excess k=8", {"signal": "mi_head_excess"}, "head@8"),
+    ("mi_head_excess k=16", {"signal": "mi_head_excess"}, "head@16"),
+    ("mi_head_excess k=32", {"signal": "mi_head_excess"}, "head@32"),
+]
+CORRELATED = (  # series whose Spearman with task success and the ground truth is reported
+    "mi_estimate",
+    "mi_seq_estimate",
+    "mi_zscore",
+    "mi_zscore_ema",
+    "retrieval_accuracy",
+    "retrieval_above_chance",
+    "retrieval_chance_corrected",
+    "retrieval_mrr",
+    "mi_seq_normalized",
+    "mi_excess",
+    "mi_head_estimate",
+    "mi_head_excess",
+    "conditional_entropy_est",
+    "reasoning_entropy_est",
+    "token_entropy_mean",
+)
+
+
+def crossing(truth: Sequence[float]) -> int | None:
+    """The 1-based step at which the ground truth fell below half its baseline for good (module docstring)."""
+    if len(truth) < 4:
+        return None
+    half = 0.5 * float(np.mean(truth[:3]))
+    for i in range(3, len(truth)):
+        if truth[i] < half and (i + 1 == len(truth) or truth[i + 1] < half):
+            return i + 1
+    return None
+
+
+def step_series(
+    scored: list[dict[str, Any]], source: str, columns: int | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """An arm's first_turn series as the rules read them: as stored, or recomputed (another head budget, or
+    only the first ``columns`` prompts of each step) with the service's formulas."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    ema = EmaState()
+    for step in scored:
+        if source == "service" and columns is None:
+            values = step["points"]["first_turn"]
+        else:
+            values, ema = recompute(step, int(source.split("@")[1]) if "@" in source else SERVICE_HEAD, columns, ema)
+        for name, value in values.items():
+            series.setdefault(name, []).append((step["step"], value))
+    return series
+
+
+def recompute(step: dict[str, Any], head: int, columns: int | None, ema: EmaState) -> tuple[dict[str, float], EmaState]:
+    """One step's figures from its stored matrices, as the service computes them."""
+    cols = np.asarray(step["column_of_row"])
+    keep = np.flatnonzero(cols < columns) if columns is not None else np.arange(len(cols))
+    n_cols = columns or len(step["signature"])
+    L_seq = np.asarray(step["L_seq"])[np.ix_(keep, range(n_cols))]
+    lengths = np.asarray(step["lengths"])[keep]
+    L_head = np.asarray(step["L_head"][str(head)])[np.ix_(keep, range(n_cols))]
+    signature = step["signature"][:n_cols]
+    prompts = [[s] for s in signature]
+    diagnostics, ema = compute_diagnostics(
+        per_token(L_seq, lengths), L_seq, cols[keep], prompts, ema, EstimatorConfig(bootstrap_samples=0)
+    )
+    values = dict(diagnostics.metrics)
+    values["mi_estimate_se"] = diagnostics.standard_errors["mi_estimate"]
+    values["conditional_entropy_est"] = diagnostics.metrics["conditional_entropy_est"]
+    reasonings = [step["reasonings"][r] for r in keep]
+    values |= dependence_signals(
+        per_token(L_seq, lengths),
+        diagnostics.metrics,
+        cols[keep],
+        prompts,
+        reasonings,
+        DependenceConfig(permutations=0),
+        head_per_token(L_head, lengths, head),
+    )
+    return values, ema
+
+
+def fired(series: dict[str, list[tuple[int, float]]], settings: AlertSettings) -> int | None:
+    episodes = evaluate("zoo", "first_turn", series, settings)
+    return next((e.fired_step for e in episodes if e.rule == "TemplateCollapse" and e.fired_step is not None), None)
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None when either side is constant."""
+    if len(a) < 3:
+        return None
+    ra, rb = _ranks(np.asarray(a, float)), _ranks(np.asarray(b, float))
+    if ra.std() == 0 or rb.std() == 0:
+        return None
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    for value in np.unique(x):  # ties share their mean rank
+        tied = x == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def arm_table(arms: list[str]) -> dict[str, Any]:
+    """Per arm: its label, ground truth crossing, and each candidate's firing step."""
+    out: dict[str, Any] = {}
+    for arm in arms:
+        record, scored = zoo.read_record(arm), zoo.read_scored(arm)
+        truth = [s[GROUND_TRUTH] for s in record]
+        cross = crossing(truth)
+        sources = {source for _, _, source in CANDIDATES}
+        series = {source: step_series(scored, source) for source in sources}
+        out[arm] = {
+            "driver": tasks.ZOO[arm].reward + ("/hard" if tasks.ZOO[arm].hard else ""),
+            "family": tasks.ZOO[arm].family,
+            "collapsed_at": cross,
+            "truth": [round(t, 3) for t in truth],
+            "task_success": [round(s["task_success"], 3) for s in record],
+            "mean_words": [round(s["mean_words"], 1) for s in record],
+            "fired": {label: fired(series[source], AlertSettings(**fields)) for label, fields, source in CANDIDATES},
+            "fired_by_prompts": {
+                str(n): {
+                    label: fired(step_series(scored, source, columns=n), AlertSettings(**fields))
+                    for label, fields, source in CANDIDATES
+                }
+                for n in (4, 6)
+            },
+            "series": {name: [v for _, v in series["service"].get(name, [])] for name in CORRELATED},
+        }
+    return out
+
+
+def summary(arms: dict[str, Any], by: Callable[[dict[str, Any]], dict[str, int | None]]) -> dict[str, Any]:
+    """Per candidate: detections and delays on collapsed arms, false alarms on healthy ones."""
+    table: dict[str, Any] = {}
+    for label, _, _ in CANDIDATES:
+        delays, missed, false_alarms = {}, [], []
+        for arm, a in arms.items():
+            step = by(a)[label]
+            if a["collapsed_at"] is None:
+                if step is not None:
+                    false_alarms.append(f"{arm}@{step}")
+            elif step is None:
+                missed.append(arm)
+            else:
+                delays[arm] = step - a["collapsed_at"]
+        on_time = [d for d in delays.values() if d <= 2]
+        table[label] = {
+            "detected": f"{len(delays)}/{len(delays) + len(missed)}",
+            "within_2_steps": len(on_time),
+            "median_delay": float(np.median(list(delays.values()))) if delays else None,
+            "delays": delays,
+            "missed": missed,
+            "false_alarms": false_alarms,
+        }
+    return table
+
+
+def correlations(arms: dict[str, Any]) -> dict[str, Any]:
+    """Spearman of each series with task success and with the ground truth: mean per arm, and pooled."""
+    out: dict[str, Any] = {}
+    for name in CORRELATED:
+        per_arm_success, per_arm_truth, pooled = [], [], ([], [], [])
+        for a in arms.values():
+            values = a["series"][name]
+            if len(values) != len(a["truth"]):
+                continue
+            for got, target in ((per_arm_success, a["task_success"]), (per_arm_truth, a["truth"])):
+                rho = spearman(values, target)
+                if rho is not None:
+                    got.append(rho)
+            pooled[0].extend(values)
+            pooled[1].extend(a["task_success"])
+            pooled[2].extend(a["truth"])
+        out[name] = {
+            "success_per_arm": _mean(per_arm_success),
+            "success_pooled": _round(spearman(pooled[0], pooled[1])),
+            "truth_per_arm": _mean(per_arm_truth),
+            "truth_pooled": _round(spearman(pooled[0], pooled[2])),
+        }
+    return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(float(np.mean(values)), 3) if values else None
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) else round(value, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=zoo.RECORDS / "signals.json")
+    args = parser.parse_args()
+    arms = [a for a in tasks.ZOO if zoo.scored_path(a).exists()]
+    table = arm_table(arms)
+    result = {
+        "command": "python -m bench.real_run.signals",
+        "arms": {a: {k: v for k, v in t.items() if k != "series"} for a, t in table.items()},
+        "signals": summary(table, lambda a: a["fired"]),
+        "by_prompts": {n: summary(table, lambda a, n=n: a["fired_by_prompts"][n]) for n in ("4", "6")},
+        "correlations": correlations(table),
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("signals", "correlations")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

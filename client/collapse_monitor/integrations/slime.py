@@ -1,0 +1,150 @@
+"""slime and miles: every rollout's samples go to collapse-monitor, by one flag and no code.
+
+    --custom-rollout-log-function-path collapse_monitor.integrations.slime.log_rollout
+
+slime (slime/observability/rollout_metrics.py ``log_rollout_data``) and miles
+(miles/ray/rollout/metrics.py) call the named function after each rollout with
+``(rollout_id, args, samples, rollout_extra_metrics, rollout_time)``, on the rollout manager (one
+Ray actor), before the samples become training data. ``log_rollout`` turns the samples into
+trajectories (``slime_samples``: groups by ``group_index``, rewards, turns) and queues them on a
+monitor as step ``rollout_id``; delivery, retries and spooling happen on the monitor's own thread,
+so the rollout loop never waits on the network. It returns False, so the trainer's own rollout
+logging still runs.
+
+Configured by environment variables, which must reach the rollout manager's Ray worker (pass them
+in the job's runtime environment, ``ray job submit --runtime-env-json '{"env_vars": {...}}'``, or
+export them before ``ray start``):
+
+* ``COLLAPSE_MONITOR_URL``: the service (required; without it nothing is sent, which is logged once).
+* ``COLLAPSE_MONITOR_RUN``: the run name; default the trainer's ``--wandb-group``, else the name of
+  its ``--save`` folder.
+* ``COLLAPSE_MONITOR_TOKEN``: an ingest token, when the service has tokens.
+* ``COLLAPSE_MONITOR_SETTINGS``: run settings as JSON (``{"schedule": {"every": 5}}``).
+* ``COLLAPSE_MONITOR_MAX_GROUPS``, ``COLLAPSE_MONITOR_MAX_ROWS``: send at most this much per rollout.
+* ``COLLAPSE_MONITOR_TOKEN_IDS=1``: send token ids instead of text (a scorer sharing the policy's
+  tokenizer). Text is the default; multi-turn samples are decoded with the tokenizer of
+  ``--hf-checkpoint``, loaded once.
+* ``COLLAPSE_MONITOR_SPOOL_DIR``: where undelivered rollouts wait (default the user's cache).
+
+Rewards are read at ``--reward-key`` when samples carry dict rewards. A rollout that cannot be
+read is counted as invalid and logged, never raised into the trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from collapse_monitor.completion_files import MissingExtraError
+from collapse_monitor.monitor import Monitor
+from collapse_monitor.slime_samples import Decode, tokenizer_decode, trajectories
+
+logger = logging.getLogger("collapse_monitor")
+
+# One monitor (and one tokenizer) per process: slime loads this function anew each rollout, but the
+# module, and so these, live as long as the rollout manager.
+_monitors: dict[tuple[str, str], Monitor] = {}
+_decoders: dict[str, Decode] = {}
+_warned: set[str] = set()
+
+
+def log_rollout(
+    rollout_id: int,
+    args: Any,
+    samples: Sequence[Any],
+    rollout_extra_metrics: Any = None,  # noqa: ARG001  # slime's signature; the service computes its own figures
+    rollout_time: float | None = None,  # noqa: ARG001
+) -> bool:
+    """Queues one rollout's samples on the run's monitor; returns False (the trainer still logs its own metrics)."""
+    monitor = _monitor(args)
+    if monitor is None:
+        return False
+    token_ids = os.environ.get("COLLAPSE_MONITOR_TOKEN_IDS", "").lower() in ("1", "true", "yes")
+    try:
+        rows = trajectories(
+            samples,
+            reward_key=getattr(args, "reward_key", None),
+            token_ids=token_ids,
+            decode=_decoder(args),
+        )
+    except (ValueError, TypeError, AttributeError, OSError, MissingExtraError) as e:
+        monitor.invalid(rollout_id, f"cannot read slime's samples: {e}", e)
+        return False
+    if rows:
+        monitor.log(rollout_id, rows)
+    else:
+        monitor.invalid(rollout_id, f"none of the {len(samples)} samples holds a model token")
+    return False
+
+
+def _monitor(args: Any) -> Monitor | None:
+    url = os.environ.get("COLLAPSE_MONITOR_URL")
+    if not url:
+        _warn_once("url", "collapse-monitor: COLLAPSE_MONITOR_URL is not set for the rollout manager; nothing is sent")
+        return None
+    run = os.environ.get("COLLAPSE_MONITOR_RUN") or _default_run(args)
+    if run is None:
+        _warn_once("run", "collapse-monitor: set COLLAPSE_MONITOR_RUN (no --wandb-group or --save to name the run)")
+        return None
+    monitor = _monitors.get((url, run))
+    if monitor is None:
+        try:
+            settings = json.loads(os.environ.get("COLLAPSE_MONITOR_SETTINGS") or "{}")
+            monitor = Monitor(
+                url,
+                run,
+                run_settings=settings,
+                max_groups=_positive("COLLAPSE_MONITOR_MAX_GROUPS"),
+                max_rows=_positive("COLLAPSE_MONITOR_MAX_ROWS"),
+            )
+        except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+            _warn_once("config", f"collapse-monitor: cannot start: {e}; nothing is sent")
+            return None
+        _monitors[(url, run)] = monitor
+    return monitor
+
+
+def _default_run(args: Any) -> str | None:
+    for name in (
+        getattr(args, "wandb_group", None),
+        os.path.basename(str(getattr(args, "save", "") or "").rstrip("/")),
+    ):
+        if name:
+            cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-._")[:128]
+            if cleaned:
+                return cleaned
+    return None
+
+
+def _decoder(args: Any) -> Decode | None:
+    """The policy tokenizer's decoding, loaded on first use (only multi-turn samples need it)."""
+    path = getattr(args, "hf_checkpoint", None)
+    if not path:
+        return None
+    path = str(path)
+
+    def decode(ids: list[int]) -> str:
+        if path not in _decoders:
+            _decoders[path] = tokenizer_decode(path)
+        return _decoders[path](ids)
+
+    return decode
+
+
+def _positive(variable: str) -> int | None:
+    value = os.environ.get(variable)
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{variable} must be a whole number of at least 1, got {value!r}")
+    return int(value)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.error(message)

@@ -1,0 +1,192 @@
+"""Input-dependence signals beyond RAGEN's keys: the only home of these formulas (ours, not the paper's).
+
+RAGEN's figures (``scoring.estimators``) have two weaknesses on real training runs. Per-token MI
+follows length: a reasoning that answers its prompt and then appends generic text has its
+per-token MI diluted though nothing of its input dependence changed. Sequence MI saturates: it is
+bounded by ln N and sits there while retrieval holds, so it cannot move until retrieval breaks.
+These signals answer both. With matched_r = L[r, own column], marginal_r = logsumexp_j L[r, j] - ln N,
+w_j the share of rows whose own column is j, and columns of identical prompts counted as one answer:
+
+    mi_head_estimate             MI (``mi_estimate``'s formula) on L_head / min(T_r, k): the log-probs
+                                 of each reasoning's first k tokens only, so appended text cannot move it
+    conditional_entropy_head_est -mean(matched) on the same head matrix
+    mi_seq_normalized            mi_seq_estimate / ln N: the share of MI's ceiling, comparable across N
+    retrieval_chance_corrected   (acc - chance) / (1 - chance): 0 at chance, 1 when every row is retrieved
+    retrieval_mrr                mean over rows of 1 / (rank of the row's own prompt among the columns, by L_tok)
+    mi_excess                    mean(matched) - mean_r sum_j w_j L_tok[r, j]: MI minus its mean under a
+                                 random reassignment of rows to columns (the permutation null); exact, since
+                                 a uniformly shuffled label is j with probability w_j. It needs no logsumexp,
+                                 so it does not saturate
+    mi_head_excess               the same on the head matrix
+    mi_permutation_p             (1 + #{b : null_b >= observed}) / (B + 1), the null drawn by shuffling the
+                                 rows' own columns B times (mean matched per-token log-prob is the statistic):
+                                 how likely this much dependence is with none at all
+    duplicate_row_ratio          share of rows whose reasoning token ids equal a row's of another prompt
+    duplicate_column_ratio       share of columns whose prompt equals another column's
+
+Everything is float64. Must not import service/ or torch (the API process uses it on uploaded matrices).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from scoring.estimators import Diagnostics, column_signatures, matched_and_marginal
+
+if TYPE_CHECKING:  # the kernel's types only: this module must stay importable without torch
+    from scoring.batch import ScoringBatch
+    from scoring.cross_scores import CrossScores
+
+DEPENDENCE_METRICS = (
+    "mi_seq_normalized",
+    "retrieval_chance_corrected",
+    "retrieval_mrr",
+    "mi_excess",
+    "mi_permutation_p",
+    "duplicate_row_ratio",
+    "duplicate_column_ratio",
+)
+HEAD_METRICS = ("mi_head_estimate", "conditional_entropy_head_est", "mi_head_excess")
+# The head budget k of the service (``head_tokens``) and of ``collapse-monitor score``: chosen on the
+# zoo of real runs (docs/alerts.md, Choosing the signal).
+DEFAULT_HEAD_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class DependenceConfig:
+    """Constants of the signals.
+
+    Attributes:
+        permutations: B, the shuffles of the permutation null (0: no ``mi_permutation_p``).
+        seed: seed of the shuffles, so p-values are reproducible.
+    """
+
+    permutations: int = 200
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.permutations < 0:
+            raise ValueError(f"permutations must be >= 0, got {self.permutations}")
+
+
+def dependence_signals(
+    L_tok: np.ndarray,
+    paper: dict[str, float],
+    column_of_row: np.ndarray | Sequence[int],
+    column_prompts: Sequence[Sequence[int]] | None,
+    reasonings: Sequence[Sequence[int]] | None,
+    config: DependenceConfig,
+    L_head_tok: np.ndarray | None = None,
+) -> dict[str, float]:
+    """The signals of the module docstring for one step (the head ones when ``L_head_tok`` is given).
+
+    Args:
+        L_tok: [R, N] per-token cross log-probs (nats), N >= 2.
+        paper: RAGEN's figures of the same matrix (``estimators.compute_diagnostics``): its sequence MI
+            and top-1 retrieval are normalised here, not computed again.
+        column_of_row: [R] each row's own column.
+        column_prompts: [N] prompt token ids per column (identical prompts are one answer); None when
+            every column is a distinct prompt.
+        reasonings: [R] the rows' reasoning token ids; None (an uploaded matrix): no duplicate_row_ratio.
+        config: the permutation null's size and seed.
+        L_head_tok: [R, N] per-token log-probs of each reasoning's first k tokens, or None.
+    """
+    n_rows, n_cols = L_tok.shape
+    column_of_row = np.asarray(column_of_row, dtype=np.int64)
+    signature = column_signatures(column_prompts, n_cols)
+    weights = np.bincount(column_of_row, minlength=n_cols) / n_rows  # [N] w_j
+    metrics = {
+        "mi_seq_normalized": paper["mi_seq_estimate"] / math.log(n_cols),
+        "retrieval_chance_corrected": chance_corrected(paper["retrieval_accuracy"], paper["retrieval_chance_level"]),
+        "retrieval_mrr": float(reciprocal_ranks(L_tok, column_of_row, signature).mean()),
+        "mi_excess": excess_over_null(L_tok, column_of_row, weights),
+        "duplicate_column_ratio": float(1 - len(set(signature.tolist())) / n_cols),
+    }
+    if reasonings is not None:
+        metrics["duplicate_row_ratio"] = duplicate_row_ratio(reasonings, signature[column_of_row])
+    if config.permutations:
+        metrics["mi_permutation_p"] = permutation_p(L_tok, column_of_row, config)
+    if L_head_tok is not None:
+        matched, marginal = matched_and_marginal(L_head_tok, column_of_row)
+        metrics["mi_head_estimate"] = float(matched.mean() - marginal.mean())
+        metrics["conditional_entropy_head_est"] = -float(matched.mean())
+        metrics["mi_head_excess"] = excess_over_null(L_head_tok, column_of_row, weights)
+    return metrics
+
+
+def scored_signals(
+    scores: CrossScores, batch: ScoringBatch, diagnostics: Diagnostics, head_tokens: int | None, seed: int = 0
+) -> dict[str, float]:
+    """``dependence_signals`` of a batch the kernel scored (its head matrix at ``head_tokens`` when it has one);
+    empty when RAGEN's figures were skipped (fewer than two columns)."""
+    if not diagnostics.metrics:
+        return {}
+    head = None
+    if head_tokens is not None and head_tokens in scores.L_head:
+        head = head_per_token(scores.L_head[head_tokens], scores.reasoning_lengths, head_tokens)
+    config = DependenceConfig(seed=seed)
+    return dependence_signals(
+        scores.L_tok, diagnostics.metrics, batch.column_of_row, batch.column_prompts, batch.reasonings, config, head
+    )
+
+
+def head_per_token(L_head: np.ndarray, reasoning_lengths: np.ndarray, k: int) -> np.ndarray:
+    """[R, N] L_head / max(min(T_r, k), 1): per-token log-probs of each reasoning's first k tokens."""
+    scored = np.maximum(np.minimum(np.asarray(reasoning_lengths, dtype=np.float64), k), 1)
+    result: np.ndarray = np.asarray(L_head, dtype=np.float64) / scored[:, None]
+    return result
+
+
+def chance_corrected(accuracy: float, chance: float) -> float:
+    """(accuracy - chance) / (1 - chance); 0 when chance is 1 (every column one prompt)."""
+    return (accuracy - chance) / (1 - chance) if chance < 1 else 0.0
+
+
+def reciprocal_ranks(L: np.ndarray, column_of_row: np.ndarray, signature: np.ndarray) -> np.ndarray:
+    """[R] 1 / rank of each row's own prompt: 1 + the number of other prompts scored strictly higher.
+
+    Identical prompts are one answer (the best of their columns counts). Naive equivalent: sort
+    the distinct prompts by their best L in the row, descending, ties in the row's favour.
+    """
+    n_prompts = int(signature.max()) + 1
+    best = np.full((L.shape[0], n_prompts), -np.inf)  # [R, P] best L per distinct prompt
+    for j, s in enumerate(signature):
+        best[:, s] = np.maximum(best[:, s], L[:, j])
+    own = best[np.arange(L.shape[0]), signature[column_of_row]]  # [R]
+    ranks = 1 + (best > own[:, None]).sum(axis=1)
+    result: np.ndarray = 1.0 / ranks
+    return result
+
+
+def excess_over_null(L: np.ndarray, column_of_row: np.ndarray, weights: np.ndarray) -> float:
+    """mean(matched) - mean_r sum_j w_j L[r, j]: MI minus its exact permutation-null mean."""
+    matched = L[np.arange(L.shape[0]), column_of_row]
+    return float(matched.mean() - (L @ weights).mean())
+
+
+def permutation_p(L: np.ndarray, column_of_row: np.ndarray, config: DependenceConfig) -> float:
+    """The permutation p-value of mean(matched): rows' own columns shuffled ``config.permutations`` times.
+
+    Naive equivalent: for b in range(B): perm = rng.permutation(cols); null_b = mean(L[r, perm[r]]).
+    """
+    rng = np.random.default_rng(config.seed)
+    rows = np.arange(L.shape[0])
+    observed = L[rows, column_of_row].mean()
+    shuffled = rng.permuted(np.tile(column_of_row, (config.permutations, 1)), axis=1)  # [B, R]
+    null = L[rows[None, :], shuffled].mean(axis=1)  # [B]
+    # A tolerance of float rounding: a shuffle that reproduces the assignment ties with it.
+    return float((1 + (null >= observed - 1e-12).sum()) / (config.permutations + 1))
+
+
+def duplicate_row_ratio(reasonings: Sequence[Sequence[int]], prompt_of_row: np.ndarray) -> float:
+    """Share of rows whose reasoning is token for token the reasoning of a row of another prompt."""
+    prompts_of: dict[tuple[int, ...], set[int]] = {}
+    for z, p in zip(reasonings, prompt_of_row.tolist(), strict=True):
+        prompts_of.setdefault(tuple(z), set()).add(p)
+    shared = sum(len(prompts_of[tuple(z)]) > 1 for z in reasonings)
+    return shared / len(reasonings)

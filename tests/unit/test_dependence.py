@@ -1,0 +1,174 @@
+"""The input-dependence signals beyond RAGEN's keys, against naive row-by-row versions and known answers."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from scoring.dependence import (
+    DEPENDENCE_METRICS,
+    HEAD_METRICS,
+    DependenceConfig,
+    chance_corrected,
+    dependence_signals,
+    duplicate_row_ratio,
+    permutation_p,
+    reciprocal_ranks,
+)
+from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics
+
+
+def signals(L, cols, signature=None, reasonings=None, L_head=None, permutations=200):
+    L = np.asarray(L, dtype=np.float64)
+    cols = np.asarray(cols)
+    signature = np.arange(L.shape[1]) if signature is None else np.asarray(signature)
+    prompts = [[int(s)] for s in signature]
+    paper, _ = compute_diagnostics(L, L, cols, prompts, EmaState(), EstimatorConfig(bootstrap_samples=0))
+    reasonings = reasonings or [[r] for r in range(L.shape[0])]
+    head = None if L_head is None else np.asarray(L_head, dtype=np.float64)
+    return dependence_signals(L, paper.metrics, cols, prompts, reasonings, DependenceConfig(permutations), head)
+
+
+def naive(L, cols, signature):
+    """The docstring's definitions, written out with Python floats and loops."""
+    n_rows, n_cols = len(L), len(L[0])
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    weights = [sum(c == j for c in cols) / n_rows for j in range(n_cols)]
+    matched = [L[r][cols[r]] for r in range(n_rows)]
+    null = [sum(w * L[r][j] for j, w in enumerate(weights)) for r in range(n_rows)]
+    marginal = [math.log(sum(math.exp(v) for v in L[r])) - math.log(n_cols) for r in range(n_rows)]
+    ranks = []
+    for r in range(n_rows):
+        best: dict[int, float] = {}
+        for j in range(n_cols):
+            best[signature[j]] = max(best.get(signature[j], -math.inf), L[r][j])
+        own = best[signature[cols[r]]]
+        ranks.append(1 + sum(v > own for v in best.values()))
+    hits = [
+        float(signature[max(range(n_cols), key=lambda j: (L[r][j], -j))] == signature[cols[r]]) for r in range(n_rows)
+    ]
+    chance = mean([sum(s == signature[cols[r]] for s in signature) / n_cols for r in range(n_rows)])
+    return {
+        "mi_seq_normalized": (mean(matched) - mean(marginal)) / math.log(n_cols),
+        "retrieval_chance_corrected": (mean(hits) - chance) / (1 - chance),
+        "retrieval_mrr": mean([1 / k for k in ranks]),
+        "mi_excess": mean(matched) - mean(null),
+    }
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_signals_match_the_naive_definitions_on_random_matrices(seed):
+    rng = np.random.default_rng(seed)
+    n_rows, n_cols = 12, 4
+    L = rng.normal(-3, 2, size=(n_rows, n_cols)).round(1)  # rounded: exact ties happen
+    cols = rng.integers(0, n_cols, size=n_rows)
+    cols[:n_cols] = np.arange(n_cols)
+    signature = [0, 1, 1, 2] if seed % 2 else [0, 1, 2, 3]
+    got = signals(L, cols, signature)
+    for name, value in naive(L.tolist(), cols.tolist(), signature).items():
+        assert got[name] == pytest.approx(value, abs=1e-12), name
+    assert set(got) == set(DEPENDENCE_METRICS)
+
+
+def test_the_head_signals_are_ragens_mi_and_entropy_of_the_head_matrix():
+    rng = np.random.default_rng(7)
+    L, head = rng.normal(-3, 1, size=(6, 3)), rng.normal(-2, 1, size=(6, 3))
+    cols = np.array([0, 0, 1, 1, 2, 2])
+    got = signals(L, cols, L_head=head)
+    paper, _ = compute_diagnostics(head, head, cols, None, EmaState(), EstimatorConfig(bootstrap_samples=0))
+    assert got["mi_head_estimate"] == pytest.approx(paper.metrics["mi_estimate"], abs=1e-12)
+    assert got["conditional_entropy_head_est"] == pytest.approx(paper.metrics["conditional_entropy_est"], abs=1e-12)
+    assert got["mi_head_excess"] == pytest.approx(naive(head.tolist(), cols.tolist(), [0, 1, 2])["mi_excess"])
+    assert set(HEAD_METRICS) <= set(got)
+
+
+def test_appended_prompt_independent_text_dilutes_mi_but_not_the_head_mi():
+    """Each reasoning answers its prompt in 8 tokens, then appends 40 tokens that fit every prompt alike."""
+    answer = np.full((4, 4), -4.0 * 8)
+    np.fill_diagonal(answer, -1.0 * 8)  # the own prompt explains the answer far better
+    cols = np.arange(4)
+    short = signals(answer / 8, cols, L_head=answer / 8)
+    appended = (answer - 2.0 * 40) / 48  # the generic tail costs the same under every prompt
+    long = signals(appended, cols, L_head=answer / 8)
+    short_mi = signals(answer / 8, cols)["mi_excess"]
+    assert long["mi_excess"] < short_mi / 4  # per-token figures follow the length
+    assert long["mi_head_estimate"] == pytest.approx(short["mi_head_estimate"])
+    assert long["mi_head_excess"] == pytest.approx(short["mi_head_excess"])
+
+
+def test_identical_rows_have_no_dependence_and_a_separable_matrix_has_all():
+    cols = np.array([0, 0, 1, 1, 2, 2])
+    flat = signals(np.full((6, 3), -2.0), cols)
+    assert flat["mi_excess"] == 0.0
+    assert flat["retrieval_chance_corrected"] == 0.0  # every row retrieves column 0: a third are right
+    assert flat["mi_permutation_p"] == 1.0  # every shuffle ties
+    separable = np.full((6, 3), -50.0)
+    separable[np.arange(6), cols] = -1.0
+    sharp = signals(separable, cols)
+    assert sharp["retrieval_chance_corrected"] == 1.0
+    assert sharp["retrieval_mrr"] == 1.0
+    assert sharp["mi_seq_normalized"] == pytest.approx(1.0, abs=1e-12)
+    assert sharp["mi_permutation_p"] < 0.05
+
+
+def test_the_permutation_p_value_matches_a_naive_loop_over_the_same_shuffles():
+    rng = np.random.default_rng(3)
+    L = rng.normal(size=(9, 3))
+    cols = np.array([0, 1, 2] * 3)
+    config = DependenceConfig(permutations=50, seed=11)
+    draws = np.random.default_rng(11).permuted(np.tile(cols, (50, 1)), axis=1)
+    observed = L[np.arange(9), cols].mean()
+    nulls = [sum(L[r, perm[r]] for r in range(9)) / 9 for perm in draws]
+    expected = (1 + sum(n >= observed - 1e-12 for n in nulls)) / 51
+    assert permutation_p(L, cols, config) == pytest.approx(expected)
+    assert permutation_p(L, cols, config) == permutation_p(L, cols, config)  # seeded
+
+
+def test_a_permutation_null_is_uniform_when_rows_do_not_depend_on_columns():
+    """Under no dependence, p <= 0.1 about 10% of the time (the test's bound is generous)."""
+    rng = np.random.default_rng(0)
+    cols = np.repeat(np.arange(4), 3)
+    small = sum(
+        permutation_p(np.repeat(rng.normal(size=(12, 1)), 4, axis=1) + rng.normal(0, 1, (12, 4)), cols,
+                      DependenceConfig(99, seed)) <= 0.1
+        for seed in range(200)
+    )  # fmt: skip
+    assert 5 <= small <= 40
+
+
+def test_reciprocal_ranks_count_identical_prompts_once():
+    L = np.array([[-1.0, -2.0, -3.0], [-1.0, -2.0, -3.0]])
+    # columns 0 and 1 are one prompt: row 1's own prompt (column 2) is second, not third
+    np.testing.assert_allclose(reciprocal_ranks(L, np.array([0, 2]), np.array([0, 0, 1])), [1.0, 0.5])
+
+
+def test_duplicate_rows_count_only_across_prompts():
+    reasonings = [[1, 2], [1, 2], [3], [1, 2], [4]]
+    prompts = np.array([0, 0, 1, 1, 2])
+    assert duplicate_row_ratio(reasonings, prompts) == pytest.approx(3 / 5)  # [1, 2] under prompts 0 and 1
+    assert duplicate_row_ratio([[1], [1], [2]], np.array([0, 0, 1])) == 0.0  # a group's own repeats
+
+
+def test_duplicate_columns_are_the_share_of_columns_repeating_a_prompt():
+    got = signals(np.zeros((4, 4)), [0, 1, 2, 3], signature=[0, 0, 0, 1])
+    assert got["duplicate_column_ratio"] == 0.5
+
+
+@pytest.mark.parametrize(("accuracy", "chance", "expected"), [(0.25, 0.25, 0.0), (1.0, 0.25, 1.0), (0.5, 1.0, 0.0)])
+def test_chance_correction(accuracy, chance, expected):
+    assert chance_corrected(accuracy, chance) == expected
+
+
+def test_signals_do_not_depend_on_row_order():
+    rng = np.random.default_rng(5)
+    L, head = rng.normal(size=(8, 4)), rng.normal(size=(8, 4))
+    cols = np.array([0, 1, 2, 3] * 2)
+    base = signals(L, cols, L_head=head, permutations=0)
+    for order in itertools.islice(itertools.permutations(range(8)), 1, 6):
+        o = list(order)
+        moved = signals(L[o], cols[o], reasonings=[[r] for r in o], L_head=head[o], permutations=0)
+        for name, value in base.items():
+            assert moved[name] == pytest.approx(value, abs=1e-12), name
