@@ -5,12 +5,19 @@ which RAGEN-2 identifies as the driver of template collapse. This module compute
 reward statistics and reproduces RAGEN's group selection. Two deliberate differences, both at
 edges RAGEN leaves undefined: groups may have different sizes, and a group of one sample (whose
 n-1 std RAGEN would make NaN) is given spread 0 and listed in ``single_sample_groups``. Ties are
-broken towards the lower group index. Must not import service/.
+broken towards the lower group index. A reward that is not a finite number is refused.
+
+Beside it, ``upstream_select``: the selection of the upstream pull requests RAGEN's authors opened
+for verl, TRL and SkyRL (ranked by reward variance, see ``UpstreamFilterConfig``). The client's
+``collapse_monitor.snr_filter`` carries a pure-Python copy of both selections, for the trainer;
+tests/unit/test_snr_filter_copies.py holds the two copies to the same answers. Must not import
+service/.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +28,7 @@ TOP_P_MODES = ("linear", "softmax")
 # RAGEN ranks by the group std under the name "reward_variance"; "reward_std" is its alias.
 METRICS = ("reward_variance", "reward_std", "reward", "reward_sum")
 ZERO_SPREAD = 1e-10  # RAGEN's bound for "this score is zero"
+UPSTREAM_STRATEGIES = ("top_p", "top_k")
 
 
 @dataclass(frozen=True)
@@ -77,20 +85,35 @@ def group_stats(rewards: Sequence[Sequence[float]]) -> GroupStats:
 
         g = np.asarray(rewards[i]); std[i] = g.std(ddof=1) if g.size > 1 else 0.0; mean[i] = g.mean(); ...
     """
+    sizes = _check_rewards(rewards)
+    std, mean, high, total = (np.empty(len(rewards)) for _ in range(4))
+    for members, block in _size_blocks(rewards, sizes):
+        std[members] = block.std(axis=1, ddof=1) if block.shape[1] > 1 else 0.0
+        mean[members], high[members], total[members] = block.mean(axis=1), block.max(axis=1), block.sum(axis=1)
+    return GroupStats(std=std, mean=mean, max=high, sum=total, sizes=sizes)
+
+
+def _check_rewards(rewards: Sequence[Sequence[float]]) -> np.ndarray:
+    """[G] the group sizes; ValueError for no group, an empty group or a reward that is not a finite number."""
     if not rewards:
         raise ValueError("rewards must hold at least one group, got 0")
     for g, group in enumerate(rewards):
         if not group:
             raise ValueError(f"rewards[{g}] must hold at least one reward, got 0")
-    sizes = np.array([len(group) for group in rewards], dtype=np.int64)  # [G]
-    std, mean, high, total = (np.empty(len(rewards)) for _ in range(4))
+        for i, reward in enumerate(group):
+            if not math.isfinite(reward):
+                raise ValueError(
+                    f"rewards[{g}][{i}] must be a finite number, got {reward}: leave a missing reward out of its group"
+                )
+    return np.array([len(group) for group in rewards], dtype=np.int64)
+
+
+def _size_blocks(rewards: Sequence[Sequence[float]], sizes: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(group indices, [n, size] float64 block of their rewards) for each group size."""
     order = np.argsort(sizes, kind="stable")
     starts = np.flatnonzero(np.diff(sizes[order], prepend=-1))  # where each size's run of groups begins
     for members in np.split(order, starts[1:]):
-        block = np.array([rewards[g] for g in members], dtype=np.float64)  # [n, size]
-        std[members] = block.std(axis=1, ddof=1) if block.shape[1] > 1 else 0.0
-        mean[members], high[members], total[members] = block.mean(axis=1), block.max(axis=1), block.sum(axis=1)
-    return GroupStats(std=std, mean=mean, max=high, sum=total, sizes=sizes)
+        yield members, np.array([rewards[g] for g in members], dtype=np.float64)
 
 
 def filter_groups(rewards: Sequence[Sequence[float]], config: FilterConfig) -> FilterResult:
@@ -155,7 +178,9 @@ def _top_p(scores: np.ndarray, order: np.ndarray, config: FilterConfig, _n_group
         return np.arange(scores.size)
     if config.top_p_prob_mode == "softmax":
         logits = scores if config.filter_type == "largest" else -scores
-        probs = np.exp(logits - logits.max())
+        # exp in float64, rounded once: the correctly rounded float32 exp, which the client's pure-Python copy
+        # reproduces bit for bit (numpy's and torch's float32 exp are within an ulp or two of it).
+        probs = np.exp((logits - logits.max()).astype(np.float64)).astype(np.float32)
         probs /= probs.sum(dtype=np.float32)
         by_prob = np.argsort(-probs, kind="stable")
         cutoff = int(np.searchsorted(np.cumsum(probs[by_prob], dtype=np.float32), value, side="left"))
@@ -208,3 +233,77 @@ def filter_metrics(stats: GroupStats, selected: Sequence[int], n_zero: int) -> d
     metrics["rollout/filter_kept_ratio"] = chosen.size / n_groups
     metrics["rollout/filter_zero_count"] = float(n_zero)
     return dict(sorted(metrics.items()))
+
+
+@dataclass(frozen=True)
+class UpstreamFilterConfig:
+    """The selection of the upstream pull requests (verl #7894, TRL #7242, SkyRL #2217), with their defaults.
+
+    Groups are ranked by their sample reward variance (``ddof``) in a stable sort (ties keep group
+    order). ``top_p`` keeps the shortest prefix whose cumulative variance reaches ``value * total -
+    selection_eps`` (none when that target is not positive); ``top_k`` keeps ``value`` groups (a count).
+    Zero-variance groups are candidates only with ``include_zero``, so at ``top_p`` 1 they are dropped;
+    a batch without any variance keeps every group with ``include_zero`` (``top_k``: the first
+    ``value``), none without.
+    """
+
+    strategy: str = "top_p"
+    value: float = 0.9
+    include_zero: bool = False
+    ddof: int = 1
+    selection_eps: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.strategy not in UPSTREAM_STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(UPSTREAM_STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy == "top_p" and not 0 < self.value <= 1:
+            raise ValueError(f"value must be in (0, 1] for top_p (a share of the variance), got {self.value}")
+        if self.strategy == "top_k" and not (self.value >= 1 and float(self.value).is_integer()):
+            raise ValueError(f"value must be a whole number of groups >= 1 for top_k, got {self.value}")
+        if not (isinstance(self.ddof, int) and self.ddof >= 0):
+            raise ValueError(f"ddof must be a whole number >= 0, got {self.ddof!r}")
+        if not self.selection_eps >= 0:
+            raise ValueError(f"selection_eps must be >= 0, got {self.selection_eps}")
+
+
+def group_variances(rewards: Sequence[Sequence[float]], ddof: int) -> np.ndarray:
+    """[G] each group's reward variance with ``ddof`` (0 for a group of at most ``ddof`` rewards), float64.
+
+    Naive equivalent: ``np.var(rewards[g], ddof=ddof) if len(rewards[g]) > ddof else 0.0``.
+    """
+    sizes = _check_rewards(rewards)
+    variances = np.zeros(len(rewards))
+    for members, block in _size_blocks(rewards, sizes):
+        if block.shape[1] > ddof:
+            variances[members] = block.var(axis=1, ddof=ddof)
+    return variances
+
+
+def upstream_select(rewards: Sequence[Sequence[float]], config: UpstreamFilterConfig) -> list[int]:
+    """The groups the upstream pull requests keep (ascending); see ``UpstreamFilterConfig``."""
+    variances = [float(v) for v in group_variances(rewards, config.ddof)]
+    total = 0.0
+    for v in variances:  # in order, one addition at a time (Python 3.12's sum() compensates; 3.9's does not)
+        total += v
+    n_groups = len(variances)
+    k = int(config.value)
+    if total <= 0.0:
+        if not config.include_zero:
+            return []
+        return list(range(min(k, n_groups))) if config.strategy == "top_k" else list(range(n_groups))
+    if config.strategy == "top_p" and config.include_zero and config.value == 1.0:
+        return list(range(n_groups))
+    candidates = [g for g in range(n_groups) if config.include_zero or variances[g] > 0.0]
+    candidates.sort(key=lambda g: variances[g], reverse=True)  # stable: ties keep group order
+    if config.strategy == "top_k":
+        return sorted(candidates[:k])
+    target = config.value * total - config.selection_eps
+    kept: list[int] = []
+    cumulative = 0.0
+    if target > 0.0:
+        for g in candidates:  # the cut searchsorted(cumsum, target, side="left") + 1 makes
+            kept.append(g)
+            cumulative += variances[g]
+            if cumulative >= target:
+                break
+    return sorted(kept)

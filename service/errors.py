@@ -12,7 +12,8 @@
     │   │   └── ForeignOrigin    403  a state-changing request from a browser page of another origin
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  an idempotency_key sent again with different content
-    │   │   └── RunConflict      409  a run name re-created with different settings
+    │   │   ├── RunConflict      409  a run name re-created with different settings
+    │   │   └── FigureConflict   409  a trainer figure of a step sent again with another value
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
@@ -118,6 +119,10 @@ class Conflict(ClientError):
 
 class RunConflict(Conflict):
     code = "run_conflict"
+
+
+class FigureConflict(Conflict):
+    code = "figure_conflict"
 
 
 class TooLarge(ClientError):

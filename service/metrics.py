@@ -101,7 +101,26 @@ EXPORTED = (
     ),
     Exported("rollout/filter_zero_count", "filter_zero_groups", "Groups scoring 0 under the SNR filter's metric."),
     Exported(
-        "rollout/filter_kept_ratio", "filter_kept_ratio", "Share of groups the run's SNR-aware filter would keep."
+        "rollout/filter_kept_ratio",
+        "filter_kept_ratio",
+        "Share of prompt groups the SNR-aware filter keeps: the run's filter's advice (sampler all), or what the "
+        "trainer's own filter kept (sampler trainer).",
+    ),
+    Exported("rollout/filter_kept_rows", "filter_kept_rows", "Rows the trainer's SNR filter kept (sampler trainer)."),
+    Exported(
+        "rollout/filter_engaged",
+        "filter_engaged",
+        "1 when the trainer's SNR filter acted on the step (sampler trainer).",
+    ),
+    Exported(
+        "rollout/chosen_in_group_reward_std",
+        "filter_kept_reward_std",
+        "Mean in-group reward std of the groups the SNR filter keeps (sampler all: advice; trainer: kept).",
+    ),
+    Exported(
+        "rollout/dropped_in_group_reward_std",
+        "filter_dropped_reward_std",
+        "Mean in-group reward std of the groups the trainer's SNR filter dropped (sampler trainer).",
     ),
     Exported("valid_thinking_rate", "valid_thinking_ratio", "Share of turns carrying non-empty reasoning."),
     Exported(
@@ -124,6 +143,11 @@ EXPORTED = (
     ),
     Exported(
         "trainer_token_entropy_mean", "trainer_token_entropy_nats", "Mean of the token entropies the trainer sent."
+    ),
+    Exported(
+        "actor/entropy",
+        "policy_token_entropy_nats",
+        "The policy's mean token entropy over its own completions, as the trainer computed it (sampler trainer).",
     ),
 )
 
@@ -358,8 +382,9 @@ def catalogue_markdown() -> str:
         "Generated from `service/metrics.py` (`EXPORTED`):",
         "`.venv/bin/python -m service.metrics > docs/metrics.md` regenerates it.",
         "",
-        "Diagnostics are gauges labelled `run` and `sampler` (`first_turn`, `trajectory`, a matrix sampler, or",
-        "`all` for batch-level reward and coverage figures), holding the newest stored value.",
+        "Diagnostics are gauges labelled `run` and `sampler` (`first_turn`, `trajectory`, a matrix sampler,",
+        "`all` for batch-level reward and coverage figures, or `trainer` for figures the trainer computed and sent),",
+        "holding the newest stored value.",
         "",
         "| Prometheus name | stored name (`/v1/runs/{run}/metrics`) | meaning |",
         "| --- | --- | --- |",
@@ -385,8 +410,8 @@ def catalogue_markdown() -> str:
         f"| `{NAMESPACE}_alerts` | gauge (`run`, `sampler`, `rule`, `severity`, `state`) | 1 per active alert. |",
         f"| `{NAMESPACE}_alert_deliveries` | gauge (`receiver`, `status`) | Alert notifications by status. |",
         "",
-        "Every stored name (all RAGEN metrics, intervals, coverage and `rollout/...` filter figures) is",
-        "queryable through `GET /v1/runs/{run}/metrics`; Prometheus carries the ones above.",
+        "Every stored name (all RAGEN metrics, intervals, coverage, `rollout/...` filter figures and every figure a",
+        "trainer sent) is queryable through `GET /v1/runs/{run}/metrics`; Prometheus carries the ones above.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -7,22 +7,26 @@
 
 Integrations: ``collapse_monitor.integrations.trl`` (GRPOTrainer, RLOOTrainer),
 ``collapse_monitor.integrations.verl`` (DataProto batches, RAGEN) and
-``collapse_monitor.integrations.slime`` (slime and miles, by one flag). Command line:
-``collapse-monitor-client send|follow`` (the files of verl, TRL, prime-rl, AReaL, ROLL, slime).
-See docs/client.md.
+``collapse_monitor.integrations.slime`` (slime and miles, by one flag); TRL and verl can run the
+SNR-aware filter (``SNRFilter``) in the trainer. Command line: ``collapse-monitor-client send|follow``
+(the files of verl, TRL, prime-rl, AReaL, ROLL, slime). See docs/client.md.
 """
 
 from collapse_monitor.alerts import AlertActions, AlertEvent
 from collapse_monitor.batches import TrajectoryError
+from collapse_monitor.engagement import FilterEngagement
 from collapse_monitor.monitor import Monitor, MonitorError, default_spool_dir
 from collapse_monitor.sender import Stats
+from collapse_monitor.snr_filter import SNRFilter
 from collapse_monitor.version import __version__
 
 __all__ = [
     "AlertActions",
     "AlertEvent",
+    "FilterEngagement",
     "Monitor",
     "MonitorError",
+    "SNRFilter",
     "Stats",
     "TrajectoryError",
     "__version__",

@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +19,10 @@ TURN_KEYS = ("prompt", "prompt_token_ids", "response", "reasoning", "reasoning_t
 TEXT_KEYS = ("prompt", "response", "reasoning")
 TOKEN_ID_KEYS = ("prompt_token_ids", "reasoning_token_ids")
 GROUP_KEYS = ("group_id", "group")
+# What the service takes as a trainer's figures (docs/api.md, Trainer figures).
+FIGURE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./:@-]{0,79}$")
+MAX_FIGURES = 256
+MAX_ABS_FIGURE = 1e15
 
 
 class TrajectoryError(ValueError):
@@ -195,18 +200,49 @@ def sample_indices(
     return sorted(kept)
 
 
+def sendable_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dict[str, str]]:
+    """The figures the service takes (name -> float, in the given order) and why each other one is left out.
+
+    A figure is a number (anything ``float()`` takes: ints, numpy and torch scalars) that is finite and
+    within +-1e15, under a name of letters, digits and ``_ . / : @ -`` of at most 80 characters; at most
+    256 are sent, the first ones given.
+    """
+    kept: dict[str, float] = {}
+    left_out: dict[str, str] = {}
+    for name, raw in figures.items():
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            left_out[str(name)] = f"not a number ({type(raw).__name__})"
+            continue
+        if not isinstance(name, str) or not FIGURE_NAME.match(name):
+            left_out[str(name)] = f"the name must match {FIGURE_NAME.pattern}"
+        elif not (math.isfinite(value) and abs(value) <= MAX_ABS_FIGURE):
+            left_out[name] = f"{value} is not a finite number within +-{MAX_ABS_FIGURE:g}"
+        elif len(kept) == MAX_FIGURES:
+            left_out[name] = f"over the {MAX_FIGURES} figures a request may hold"
+        else:
+            kept[name] = value
+    return kept, left_out
+
+
 def encode(
-    run: str, step: int, trajectories: list[dict[str, Any]], idempotency_key: str | None = None
+    run: str,
+    step: int,
+    trajectories: list[dict[str, Any]],
+    idempotency_key: str | None = None,
+    figures: Mapping[str, float] | None = None,
 ) -> tuple[str, bytes]:
     """The request body of one batch and its idempotency key (``idempotency_key``).
 
-    The key is ``{run}-{step}-{content hash}``: a replay of the same batch (a retry, a spooled copy,
+    ``figures``: the trainer's own figures of the step (``sendable_figures``), sent with it. The key is
+    ``{run}-{step}-{content hash}``: a replay of the same batch (a retry, a spooled copy,
     a resumed trainer sending a step again) is recognised by the service, while other content at the
     same step (a re-run under the same run name) is a new batch instead of a 409 conflict. The
     content is canonical JSON (sorted keys, no spaces), so equal batches hash equally.
     """
     content = json.dumps(
-        {"step": step, "trajectories": trajectories},
+        {"step": step, "trajectories": trajectories, **({"figures": dict(figures)} if figures else {})},
         sort_keys=True,
         separators=(",", ":"),
         ensure_ascii=False,

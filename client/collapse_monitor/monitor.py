@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from collapse_monitor.alerts import STATES, AlertActions, AlertEvent, AlertWatcher, check_filters
-from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices
+from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices, sendable_figures
 from collapse_monitor.sender import Request, Sender, Stats
 from collapse_monitor.spool import Spool
 from collapse_monitor.transport import Transport
@@ -185,11 +185,20 @@ class Monitor:
 
     # Sending --------------------------------------------------------------------------------
 
-    def log(self, step: int, trajectories: Sequence[Mapping[str, Any]], *, idempotency_key: str | None = None) -> None:
+    def log(
+        self,
+        step: int,
+        trajectories: Sequence[Mapping[str, Any]],
+        *,
+        idempotency_key: str | None = None,
+        figures: Mapping[str, Any] | None = None,
+    ) -> None:
         """Queues one training step's trajectories; returns at once.
 
         See ``collapse_monitor.batches.normalize`` for the trajectory format. ``idempotency_key``
-        overrides the content-derived idempotency key (rarely needed).
+        overrides the content-derived idempotency key (rarely needed). ``figures``: numbers the
+        trainer computed for this step (its SNR filter's, say), stored as series of sampler
+        ``trainer``; see ``figures()`` for those known only after the step.
         """
         if not self._is_active("log"):
             return
@@ -207,10 +216,43 @@ class Monitor:
         left_out = len(rows) - len(kept)
         if left_out:
             rows = [rows[i] for i in kept]
+        sendable = self._sendable(step, figures or {})
         self._start().submit(
-            Request("batch", step, encode=functools.partial(encode, self.run, step, rows, idempotency_key)),
+            Request("batch", step, encode=functools.partial(encode, self.run, step, rows, idempotency_key, sendable)),
             rows_sampled_out=left_out,
         )
+
+    def figures(self, step: int, figures: Mapping[str, Any]) -> None:
+        """Queues figures of a step whose batch was logged already; returns at once.
+
+        For what a trainer knows only after the step (TRL and verl log losses and the policy's
+        entropy once the step's batch is gone): stored beside that step's batch as series of
+        sampler ``trainer`` (``GET /v1/runs/{run}/metrics?sampler=trainer``), in order with the
+        batches. Figures the service would refuse (not a finite number, a name it does not take,
+        past 256) are left out, counted in ``stats().figures_left_out`` and logged once per name.
+        """
+        if not self._is_active("figures"):
+            return
+        self._raise_failure()
+        try:
+            step = _step(step)
+        except TrajectoryError as e:
+            self.invalid(step, str(e), e)
+            return
+        sendable = self._sendable(step, figures)
+        if sendable:
+            body = json.dumps({"step": step, "figures": sendable}, allow_nan=False).encode()
+            self._start().submit(Request("figures", step, body=body))
+
+    def _sendable(self, step: int, figures: Mapping[str, Any]) -> dict[str, float]:
+        kept, left_out = sendable_figures(figures)
+        if left_out:
+            self._sender.count("figures_left_out", len(left_out))
+            for name, reason in left_out.items():
+                self._warn_once(
+                    f"figure-{name}", f"collapse-monitor: figure {name!r} of step {step} not sent: {reason}"
+                )
+        return kept
 
     def invalid(self, step: Any, reason: str, error: Exception | None = None) -> None:
         """Records a batch that could not be built (integrations): counted, logged; raised when strict."""

@@ -28,6 +28,12 @@ logger = logging.getLogger("collapse_monitor")
 # A 500 is the service's own failure on this request; after this many the request is set aside
 # instead of blocking every later step behind it.
 MAX_SERVER_ERRORS = 5
+PATHS = {"batch": "batches", "checkpoint": "checkpoints", "figures": "figures"}  # what each request posts to
+COUNTS = {  # each request's Stats counters when accepted and when refused
+    "batch": ("sent", "rejected"),
+    "checkpoint": ("checkpoints_sent", "checkpoints_rejected"),
+    "figures": ("figures_sent", "figures_rejected"),
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,9 @@ class Stats:
     retries: int = 0  # failed attempts that were retried
     checkpoints_sent: int = 0
     checkpoints_rejected: int = 0
+    figures_sent: int = 0  # posts of a step's trainer figures the service accepted (Monitor.figures)
+    figures_rejected: int = 0  # of those, refused (kept under <spool>/rejected/ with the reason)
+    figures_left_out: int = 0  # figures not sent: not a finite number, a name the service refuses, over the limit
     queued: int = 0  # waiting in memory now
     spooled: int = 0  # waiting on disk now
     spilled: int = 0  # ever written to the spool
@@ -66,7 +75,7 @@ class Stats:
 class Request:
     """One POST to make: a batch or a checkpoint announcement."""
 
-    kind: str  # "batch" | "checkpoint"
+    kind: str  # "batch" | "checkpoint" | "figures"
     step: int | None
     encode: Callable[[], tuple[str, bytes]] | None = None  # builds (key, body) off the training thread
     body: bytes | None = None
@@ -86,7 +95,7 @@ class Request:
         return self.body
 
     def describe(self) -> str:
-        what = "checkpoint announcement" if self.kind == "checkpoint" else "batch"
+        what = {"checkpoint": "checkpoint announcement", "figures": "figures"}.get(self.kind, "batch")
         return f"{what} of step {self.step}" + (f" ({self.key})" if self.key else "")
 
 
@@ -282,7 +291,7 @@ class Sender:
         return self._memory[0] if self._memory else None
 
     def _path(self, request: Request) -> str:
-        return f"/v1/runs/{self.run}/{'checkpoints' if request.kind == 'checkpoint' else 'batches'}"
+        return f"/v1/runs/{self.run}/{PATHS[request.kind]}"
 
     def _create_run(self) -> None:
         outcome = self.transport.post("/v1/runs", self.run_body)
@@ -338,8 +347,8 @@ class Sender:
             logger.warning("collapse-monitor, %s: %s", request.describe(), warning)
         self._remove(request)
         with self._cond:
-            if request.kind == "checkpoint":
-                self._counts.add("checkpoints_sent")
+            if request.kind != "batch":
+                self._counts.add(COUNTS[request.kind][0])
             else:
                 self._counts.add("sent")
                 self._counts.add("replayed", int(bool(answer.get("replayed"))))
@@ -358,7 +367,7 @@ class Sender:
         message = f"the service refused the {request.describe()}: {outcome.detail}"
         logger.error("collapse-monitor: %s; kept in %s", message, where)
         with self._cond:
-            self._counts.add("checkpoints_rejected" if request.kind == "checkpoint" else "rejected")
+            self._counts.add(COUNTS[request.kind][1])
             self._counts.set("last_error", message)
             self._cond.notify_all()
         self._record_failure(message)

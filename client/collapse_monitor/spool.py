@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_NAME = re.compile(r"^(\d{12})-(batch|checkpoint)-(none|\d+)\.json$")
+_NAME = re.compile(r"^(\d{12})-(batch|checkpoint|figures)-(none|\d+)\.json$")
 
 
 @dataclass(frozen=True)

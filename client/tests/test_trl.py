@@ -137,11 +137,17 @@ def test_with_two_processes_the_main_process_sends_each_step_once_and_every_rank
         check=False,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    # both ranks stop together, at the end of the step that began after the alert fired (step 2)
+    # both ranks stop together, at the end of the step that began after the alert fired (step 2), and
+    # both engaged the SNR filter for the step after it became pending (step 1)
     assert sorted(line for line in run.stdout.splitlines() if line.startswith("rank")) == [
-        "rank 0 sent 3 stopped at 3",
-        "rank 1 sent 0 stopped at 3",
+        "rank 0 sent 3 stopped at 3 engaged True",
+        "rank 1 sent 0 stopped at 3 engaged True",
     ]
+    with Monitor(service.url, run_name, spool_dir=tmp_path / "reader") as reader:
+        engaged = {p["step"]: p["value"] for p in reader.metrics(["rollout/filter_engaged"], sampler="trainer")}
+        kept = {p["step"]: p["value"] for p in reader.metrics(["rollout/filter_kept_count"], sampler="trainer")}
+    assert engaged == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert kept == {1: 2.0, 2: 1.0, 3: 1.0}
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]  # pending at step 1
     batches = service.payloads(run_name)
     assert [b["step"] for b in batches] == [1, 2, 3]

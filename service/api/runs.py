@@ -13,13 +13,15 @@ from fastapi.responses import StreamingResponse
 
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
 from service.api.state import AppState
-from service.ingest import batches, matrices, runs
+from service.ingest import batches, figures, matrices, runs
 from service.schemas.inputs import (
     INT32_MAX,
     BatchAccepted,
     BatchIn,
     CheckpointIn,
     CheckpointResponse,
+    FiguresAccepted,
+    FiguresIn,
     MatrixBatchIn,
     RunCreate,
     RunResponse,
@@ -122,6 +124,24 @@ def ingest_batch(
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
     return matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
+
+
+@router.post(
+    "/{run}/figures",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        200: {"description": "Every figure was stored already with the same value (a replay)"},
+        404: {"description": "Unknown run, or no batch of the step"},
+        409: {"description": "A figure of the step stored already with another value (error code figure_conflict)"},
+    },
+    dependencies=[WritesRun],
+)
+def ingest_figures(state: State, run: str, body: FiguresIn, response: Response) -> FiguresAccepted:
+    """Stores figures the trainer computed for a step whose batch it sent already (series of sampler ``trainer``)."""
+    accepted = figures.ingest_figures(state.sessions, run, body)
+    if accepted.replayed:
+        response.status_code = status.HTTP_200_OK
+    return accepted
 
 
 @router.post("/{run}/checkpoints", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])

@@ -1,6 +1,7 @@
 """Rollouts batches: limits checked, stored in one transaction, answered 202; replays as the first time.
 
-A step the run's schedule scores is queued for a worker. A step off the schedule needs no model: its
+Figures the trainer sent with the batch are stored with it at once (``service.ingest.figures``). A step the
+run's schedule scores is queued for a worker. A step off the schedule needs no model: its
 figures (rewards, reasoning coverage) are computed here and the batch is finished ``done`` in the same
 transaction, through the worker's own finish (``service.jobs.recording.finish_done``), so that noise
 never takes a worker's turn.
@@ -15,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.partition import Extraction
+from service.ingest.figures import record_trainer_figures
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_after_race, replay_of
 from service.ingest.limits import check_batch_limits, check_groups, check_queues, check_scoring_cost, check_token_ids
 from service.ingest.pace import run_pace
@@ -87,6 +89,8 @@ def _commit_rollouts(
             replayed = replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw, digest)
             return replayed, extraction, None, None
         accepted = accepted_answer(batch)
+        if payload.figures:
+            record_trainer_figures(session, run.id, batch, payload.figures)
         if figures is not None:
             figures.checkpoint = checkpoint.path if checkpoint else None
             finish_done(session, snapshot, batch.id, None, figures, seconds, settings)

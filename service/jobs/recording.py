@@ -29,6 +29,7 @@ from service.schemas.results import BatchResult, SamplerResult
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import alerts, points, queue
+from service.storage.labels import TRAINER
 from service.storage.matrices import MatrixRecord, save_matrices
 from service.storage.points import Point
 from service.storage.tables import Batch, MetricPoint, Run
@@ -150,7 +151,12 @@ def finish_failed(session: Session, batch_id: str, owner: str | None, reason: st
     _lock_checkpoints(session, run, _in_step_order(run, [*run.samplers, ALL]))
     later = session.scalars(
         select(MetricPoint.sampler)
-        .where(MetricPoint.run_id == run.id, MetricPoint.segment == batch.segment, MetricPoint.step > batch.step)
+        .where(
+            MetricPoint.run_id == run.id,
+            MetricPoint.segment == batch.segment,
+            MetricPoint.step > batch.step,
+            MetricPoint.sampler != TRAINER,  # the trainer's own figures: no alert rule reads them
+        )
         .distinct()
     ).all()
     waiting = _first_waiting_step(session, batch)

@@ -21,6 +21,7 @@ from scoring.estimators import EstimatorConfig, per_token
 from scoring.partition import Extraction
 from scoring.snr_filter import FilterConfig, FilterResult
 from service.schemas.alerts import AlertSettings
+from service.storage.labels import TRAINER
 
 INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -28,7 +29,9 @@ Step = Annotated[int, Field(ge=0, le=INT32_MAX, description="Training step.")]
 GroupId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 MAX_ABS_REWARD = 1e12  # far beyond any reward a trainer uses; keeps sums and spreads finite
 MAX_ABS_LOGPROB = 1e9  # nats; summed log-probabilities of any real sequence lie far inside
-RESERVED_SAMPLERS = ("first_turn", "trajectory", "all")  # rollout samplers and batch figures
+RESERVED_SAMPLERS = ("first_turn", "trajectory", "all", TRAINER)  # rollout samplers, batch and trainer figures
+MAX_TRAINER_FIGURES = 256  # figures per request: a trainer logs a few dozen (TRL ~20, verl ~100)
+MAX_ABS_FIGURE = 1e15  # keeps every stored value a finite float that JSON and both databases hold
 
 
 def _valid_text(value: str) -> str:
@@ -329,10 +332,45 @@ IdempotencyKey = Annotated[
 ]
 
 
+FigureName = Annotated[
+    str,
+    Field(
+        pattern=r"^[A-Za-z0-9_][A-Za-z0-9_./:@-]{0,79}$",
+        description="Letters, digits and _ . / : @ - (the first a letter, digit or _), at most 80 characters.",
+    ),
+]
+FigureValue = Annotated[float, Field(ge=-MAX_ABS_FIGURE, le=MAX_ABS_FIGURE, allow_inf_nan=False)]
+TrainerFigures = Annotated[
+    dict[FigureName, FigureValue],
+    Field(
+        min_length=1,
+        max_length=MAX_TRAINER_FIGURES,
+        description=f"Figures the trainer computed for this step (at most {MAX_TRAINER_FIGURES}, finite), stored as "
+        f"series of sampler `{TRAINER}` under the names sent, e.g. its SNR filter's rollout/filter_kept_ratio or "
+        "the policy's own token entropy actor/entropy (docs/api.md, Trainer figures).",
+    ),
+]
+
+
 class BatchIn(_Strict):
     step: Step
     idempotency_key: IdempotencyKey
     trajectories: list[TrajectoryIn] = Field(min_length=1)
+    figures: TrainerFigures | None = None
+
+
+class FiguresIn(_Strict):
+    """Figures of a step whose batch was sent already (a trainer logs some only after the step)."""
+
+    step: Step
+    figures: TrainerFigures
+
+
+class FiguresAccepted(_Strict):
+    batch_id: str = Field(description="The batch of the step the figures were stored with.")
+    step: int
+    stored: int = Field(description="Figures stored by this request (0 for a replay).")
+    replayed: bool = Field(False, description="True when every figure sent was stored already with the same value.")
 
 
 BatchState = Literal["queued", "scoring", "done", "failed"]

@@ -12,6 +12,7 @@ from datetime import datetime
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
+from service.storage.labels import TRAINER
 from service.storage.points import driver_cursor
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, as_utc
 
@@ -23,7 +24,7 @@ class RunFigures:
     batches: dict[str, int] = field(default_factory=dict)
     last_batch_at: datetime | None = None
     last_step: int | None = None
-    samplers: list[str] = field(default_factory=list)  # samplers with stored figures, "all" excluded
+    samplers: list[str] = field(default_factory=list)  # samplers with stored figures, "all" and "trainer" excluded
     latest: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # sampler -> name -> (value, step)
     alerts: dict[str, int] = field(default_factory=dict)  # pending / firing -> count
 
@@ -59,7 +60,7 @@ def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) 
     ):
         figures = out[run_id]
         figures.last_step = max(figures.last_step or 0, int(last))
-        if sampler != "all":
+        if sampler not in ("all", TRAINER):  # batch figures and the trainer's own: no sampler to switch to
             figures.samplers.append(sampler)
     for run_id, sampler, name, value, step in session.execute(
         select(LatestMetric.run_id, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step)

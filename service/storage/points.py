@@ -95,6 +95,16 @@ def record_points(
     return len(points)
 
 
+def batch_values(session: Session, batch_id: str, sampler: str) -> dict[str, float]:
+    """name -> value of the points a batch holds under ``sampler``."""
+    rows = session.execute(
+        select(MetricPoint.name, MetricPoint.value).where(
+            MetricPoint.batch_id == batch_id, MetricPoint.sampler == sampler
+        )
+    )
+    return {name: float(value) for name, value in rows}
+
+
 def ema_state(session: Session, run_id: int, sampler: str) -> EmaRecord | None:
     return session.get(EmaRecord, (run_id, sampler))
 

@@ -38,6 +38,16 @@ def batch_by_content(session: Session, run_id: int, step: int, payload_sha256: s
     )
 
 
+def newest_batch_of_step(session: Session, run_id: int, step: int, segment: int) -> Batch | None:
+    """The batch of ``step`` in ``segment`` received last (a step sent again with other content is a new batch)."""
+    return session.scalar(
+        select(Batch)
+        .where(Batch.run_id == run_id, Batch.step == step, Batch.segment == segment)
+        .order_by(Batch.created_at.desc(), Batch.id.desc())
+        .limit(1)
+    )
+
+
 def queue_depth(session: Session, run_id: int | None = None) -> int:
     """Batches waiting to be scored: all of them, or one run's."""
     query = select(func.count()).select_from(Batch).where(Batch.status == "queued")

@@ -5,6 +5,7 @@ const RUN = decodeURIComponent(location.pathname.replace(/^\/runs\//, "").replac
 const POLL_SECONDS = 3;
 const ALERTS_EVERY_POLLS = 10; // notifications change state without new steps (retries, deliveries)
 const ALL = "all"; // the sampler label of batch-level figures (rewards, coverage)
+const TRAINER = "trainer"; // the sampler label of figures the trainer computed itself (its SNR filter's, its entropy)
 
 // An estimate with its 95% interval (the service's `<name>_ci_high` and `<name>_ci_low` series): the bounds
 // drawn thin in the estimate's colour and the band between them shaded, then any other series of the chart.
@@ -18,7 +19,8 @@ function withInterval(name, label, [r, g, b], ...others) {
   };
 }
 
-// One chart per concept. `sampler: ALL` marks batch-level figures; the rest follow the switch.
+// One chart per concept. `sampler: ALL` marks batch-level figures, `sampler: TRAINER` the trainer's own; the rest
+// follow the switch.
 const CHARTS = [
   {
     id: "mi",
@@ -69,11 +71,12 @@ const CHARTS = [
   },
   {
     id: "token-entropy",
-    title: "Policy token entropy",
+    title: "Token entropy: the policy's own (trainer) and the reference scorer's",
     unit: "nats / token",
     series: [
-      { name: "token_entropy_mean", label: "scorer, matched pairs", color: "#0a7e8c" },
-      { name: "trainer_token_entropy_mean", sampler: ALL, label: "sent by the trainer", color: "#bf3989" },
+      { name: "actor/entropy", sampler: TRAINER, label: "policy entropy (trainer)", color: "#bf3989" },
+      { name: "trainer_token_entropy_mean", sampler: ALL, label: "policy, token entropies sent", color: "#8250df" },
+      { name: "token_entropy_mean", label: "reference scorer, matched pairs", color: "#0a7e8c", dash: [6, 4] },
     ],
   },
   {
@@ -89,6 +92,18 @@ const CHARTS = [
         color: "#6e7781",
         scale: "ratio",
       },
+    ],
+  },
+  {
+    id: "snr-filter",
+    title: "SNR filter in the trainer: kept groups, reward spread of kept and dropped groups",
+    unit: "reward std",
+    series: [
+      { name: "rollout/filter_kept_ratio", sampler: TRAINER, label: "kept share (trainer)", color: "#1a7f37", scale: "ratio" },
+      { name: "rollout/filter_engaged", sampler: TRAINER, label: "engaged", color: "#cf222e", scale: "ratio", dash: [2, 3] },
+      { name: "rollout/filter_kept_ratio", sampler: ALL, label: "kept share (run's filter advice)", color: "#6e7781", scale: "ratio", dash: [6, 4] },
+      { name: "rollout/chosen_in_group_reward_std", sampler: TRAINER, label: "reward std, kept", color: "#0969da" },
+      { name: "rollout/dropped_in_group_reward_std", sampler: TRAINER, label: "reward std, dropped", color: "#bc4c00" },
     ],
   },
 ];
@@ -134,7 +149,11 @@ async function refresh(catalogue) {
   }
   renderHeader(overview);
   if (!changed) {
-    if (page.polls % ALERTS_EVERY_POLLS === 0) await loadAlerts();
+    if (page.polls % ALERTS_EVERY_POLLS === 0) {
+      // Figures a trainer logs after its step's batch move no overview figure: looked for now and then.
+      await Promise.all([loadAlerts(), loadSeries(false)]);
+      drawCharts();
+    }
     return;
   }
   // A run whose first scored step just arrived: load its whole history for the new sampler.
@@ -201,17 +220,25 @@ async function switchSampler(sampler) {
 
 function wanted() {
   const names = new Set();
-  const samplers = new Set([page.sampler, ALL]);
+  const samplers = new Set([page.sampler, ALL, TRAINER]);
   for (const chart of CHARTS) for (const s of chart.series) names.add(s.name);
   return { names: [...names], samplers: [...samplers].filter(Boolean) };
 }
 
-// The whole history on first load, then only steps after the newest one held.
+// The whole history on first load; then the steps from the sampler furthest behind on, each held series' points
+// from there replaced by the service's. A sampler's points come with their own write (the scorer's when a step is
+// scored, batch figures at ingest or scoring, the trainer's with its batch and after the step), so one sampler's
+// newer step says nothing of another's: a step still being scored, or a figure the trainer logged after its batch.
 async function loadSeries(full) {
   const { names, samplers } = wanted();
   let fromStep;
   if (!full && page.series.size) {
-    fromStep = Math.max(...[...page.series.values()].map((s) => s.steps[s.steps.length - 1] ?? -1)) + 1;
+    const newest = new Map(); // sampler -> the newest step held of any of its series
+    for (const [k, s] of page.series) {
+      const sampler = k.slice(0, k.indexOf("|"));
+      newest.set(sampler, Math.max(newest.get(sampler) ?? -1, s.steps[s.steps.length - 1] ?? -1));
+    }
+    fromStep = Math.max(0, Math.min(...newest.values()));
   }
   const { series: got, truncated } = await api.series(RUN, names, samplers, fromStep);
   page.truncated = truncated;
@@ -219,6 +246,9 @@ async function loadSeries(full) {
   for (const s of got) {
     const held = page.series.get(key(s.sampler, s.name));
     if (held && fromStep !== undefined) {
+      let kept = held.steps.length;
+      while (kept > 0 && held.steps[kept - 1] >= fromStep) kept--;
+      held.steps.length = held.values.length = kept;
       held.steps.push(...s.steps);
       held.values.push(...s.values);
     } else page.series.set(key(s.sampler, s.name), { steps: s.steps.slice(), values: s.values.slice() });

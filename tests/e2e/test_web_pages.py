@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,7 @@ import pytest
 from bench.serving import issue_token
 from tests.e2e.browser import Console, chromium_missing, launched, screenshots, wait_for_charts
 from tests.e2e.conftest import Processes, service_env, start_service
-from tests.fixtures import dependence_matrix
+from tests.fixtures import dependence_matrix, trajectories
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -287,3 +288,74 @@ def test_with_tokens_required_for_reads_the_page_asks_for_one_and_then_shows_the
         page.close()
     finally:
         processes.stop_all()
+
+
+def filter_figures(step: int) -> dict[str, float]:
+    """What a trainer's SNR filter sends with step ``step``'s batch: engaged from step 3 on, keeping half the groups."""
+    engaged = step >= 3
+    return {
+        "rollout/filter_engaged": float(engaged),
+        "rollout/filter_kept_ratio": 0.5 if engaged else 1.0,
+        "rollout/filter_kept_count": 2.0 if engaged else 4.0,
+        "rollout/filter_kept_rows": 6.0 if engaged else 12.0,
+        "rollout/chosen_in_group_reward_std": 0.6,
+        **({"rollout/dropped_in_group_reward_std": 0.1} if engaged else {}),
+    }
+
+
+def test_the_run_page_draws_the_trainers_snr_filter_and_the_policys_own_entropy_apart_from_the_scorers(browser, server):
+    def drawn_of(page: Page, chart: str) -> dict[tuple[str, str], int]:
+        return {(d["sampler"], d["name"]): d["points"] for d in drawn_points(page) if d["chart"] == chart}
+
+    with httpx.Client(base_url=server, timeout=30) as api:
+        api.post("/v1/runs", json={"name": "filtered", "schedule": {"every": 1000}}).raise_for_status()
+
+        def send(step: int) -> None:
+            body = {"step": step, "trajectories": trajectories(), "figures": filter_figures(step)}
+            api.post("/v1/runs/filtered/batches", json=body).raise_for_status()
+
+        def log(step: int) -> None:  # what the trainer logged after the step: the policy's own entropy
+            api.post("/v1/runs/filtered/figures", json={"step": step, "figures": {"actor/entropy": 2.0 - step / 10}})
+
+        for step in (1, 2, 3, 4):
+            send(step)
+            log(step)
+        deadline = time.monotonic() + 60  # step 1 is scored (the schedule's first step), the others done at ingest
+        while api.get("/v1/runs/filtered").json()["batches"] != {"done": 4} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        page, console = open_page(browser, f"{server}/runs/filtered")
+        wait_for_charts(page)
+        page.wait_for_function(
+            "() => window.collapseMonitor.group.members.some(m => m.chartId === 'snr-filter')", timeout=20_000
+        )
+        assert drawn_of(page, "snr-filter") == {
+            ("trainer", "rollout/filter_kept_ratio"): 4,
+            ("trainer", "rollout/filter_engaged"): 4,
+            ("all", "rollout/filter_kept_ratio"): 4,  # the run's filter's advice, beside what the trainer kept
+            ("trainer", "rollout/chosen_in_group_reward_std"): 4,
+            ("trainer", "rollout/dropped_in_group_reward_std"): 2,
+        }
+        assert drawn_of(page, "token-entropy")[("trainer", "actor/entropy")] == 4
+        labels = page.evaluate(
+            """() => window.collapseMonitor.group.members.find(m => m.chartId === 'token-entropy')
+                .u.series.slice(1).map(s => s.label)"""
+        )
+        assert labels[0] == "policy entropy (trainer)"
+        assert "reference scorer, matched pairs" in labels
+        # A figure the trainer logs after the page has drawn its step's batch still appears: step 5's batch is
+        # drawn, then its entropy arrives, then step 6's batch.
+        send(5)
+        page.wait_for_function(
+            """() => window.collapseMonitor.group.members.find(m => m.chartId === 'snr-filter')
+                .u.data[1].filter(v => v !== null).length === 5""",
+            timeout=20_000,
+        )
+        log(5)
+        send(6)
+        page.wait_for_function(
+            """() => window.collapseMonitor.group.members.find(m => m.chartId === 'token-entropy')
+                .u.data[1].filter(v => v !== null).length === 5""",
+            timeout=20_000,
+        )
+    assert console.errors == []
+    page.close()

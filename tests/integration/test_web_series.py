@@ -26,12 +26,16 @@ LATEST = re.compile(r'latest\(r, "([^"]+)"\)')
 COMPARE_DEFAULT = re.compile(r'metric: query\.get\("metric"\) \|\| "([^"]+)"')
 
 
-def run_page_series() -> set[tuple[str, bool]]:
-    """(name, is_batch_level) of every series run.js draws; batch-level ones are stored under sampler "all"."""
+def run_page_series() -> set[tuple[str, str | None]]:
+    """(name, sampler) of every series run.js draws: batch-level ones under "all", the trainer's own under
+    "trainer", the rest (None) under the sampler the page's switch shows."""
     source = (WEB / "run.js").read_text()
-    drawn = {(name, "sampler: ALL" in rest) for name, rest in SERIES.findall(source)}
+    drawn = {
+        (name, "all" if "sampler: ALL" in rest else "trainer" if "sampler: TRAINER" in rest else None)
+        for name, rest in SERIES.findall(source)
+    }
     for name in WITH_INTERVAL.findall(source):
-        drawn |= {(name, False), (f"{name}_ci_high", False), (f"{name}_ci_low", False)}
+        drawn |= {(name, None), (f"{name}_ci_high", None), (f"{name}_ci_low", None)}
     return drawn
 
 
@@ -39,7 +43,13 @@ def test_the_patterns_read_every_series_of_the_run_page():
     # A rewritten chart table the patterns miss must fail here, not leave the test below checking nothing.
     source = (WEB / "run.js").read_text()
     assert len(SERIES.findall(source)) == source.count('name: "')
-    assert {("mi_estimate_ci_high", False), ("rollout/in_group_reward_std", True)} <= run_page_series()
+    assert {
+        ("mi_estimate_ci_high", None),
+        ("rollout/in_group_reward_std", "all"),
+        ("actor/entropy", "trainer"),
+        ("rollout/filter_kept_ratio", "trainer"),
+        ("rollout/filter_kept_ratio", "all"),
+    } <= run_page_series()
 
 
 def test_every_series_the_pages_draw_is_stored_for_a_scored_run(database_url, client_for):
@@ -49,8 +59,19 @@ def test_every_series_the_pages_draw_is_stored_for_a_scored_run(database_url, cl
     for trajectory in sent:
         for turn in trajectory["turns"]:
             turn["token_entropies"] = [0.5, 1.5]
-    accepted = client.post("/v1/runs/drawn/batches", json={"step": 1, "trajectories": sent})
+    # What a trainer with the SNR filter sends with its batch (the client's snr_filter.FIGURE_NAMES) and after it.
+    figures = {
+        "rollout/filter_engaged": 1.0,
+        "rollout/filter_kept_ratio": 0.75,
+        "rollout/filter_kept_count": 3.0,
+        "rollout/filter_kept_rows": 9.0,
+        "rollout/chosen_in_group_reward_std": 0.5,
+        "rollout/dropped_in_group_reward_std": 0.0,
+    }
+    accepted = client.post("/v1/runs/drawn/batches", json={"step": 1, "trajectories": sent, "figures": figures})
     assert accepted.status_code == 202, accepted.text
+    logged = client.post("/v1/runs/drawn/figures", json={"step": 1, "figures": {"actor/entropy": 1.25}})
+    assert logged.status_code == 201, logged.text
     assert wait_for(client, accepted.json()["batch_id"])["status"] == "done"
 
     (overview,) = client.get("/v1/overview", params={"runs": "drawn"}).json()["runs"]
@@ -58,9 +79,7 @@ def test_every_series_the_pages_draw_is_stored_for_a_scored_run(database_url, cl
     series = client.get("/v1/runs/drawn/metrics", params={"format": "columns"}).json()["series"]
     stored = {(s["sampler"], s["name"]) for s in series if s["values"]}
 
-    missing = sorted(
-        name for name, is_batch_level in run_page_series() if ("all" if is_batch_level else sampler, name) not in stored
-    )
+    missing = sorted(name for name, drawn_from in run_page_series() if (drawn_from or sampler, name) not in stored)
     assert missing == [], f"run.js draws series the service does not store: {missing}"
 
     latest = set(LATEST.findall((WEB / "runs.js").read_text()))

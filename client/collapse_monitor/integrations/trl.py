@@ -36,6 +36,14 @@ at the end of the next optimizer step sets ``control.should_save`` when an alert
 entered a ``stop_on`` state: the trainer saves ``checkpoint-{step}`` and stops exactly as at its
 planned end. The decision is read from a queue on the training thread (no network call there) and,
 with several processes, broadcast from the main process so that every rank saves and stops together.
+
+The SNR filter: ``snr_filter=SNRFilter(...)`` installs it (``integrations/trl_filter.py``); its figures
+ride with each step's batch, and what TRL logs after the step (its losses, rewards, the policy's entropy
+as ``actor/entropy``) follows in a small post (``Monitor.figures``). ``engage="on_alert"`` is fed by the
+same watcher as ``save_on``/``stop_on``. ``rollback_on`` stops at an alert state and hands back the
+checkpoint saved at ``pending``: TRL cannot reload a checkpoint in the middle of ``train()``, so the
+rollback is its resume, ``trainer.train(resume_from_checkpoint=callback.take_rollback())``, with the filter
+engaged.
 """
 
 from __future__ import annotations
@@ -51,11 +59,19 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from collapse_monitor.alerts import AlertActions
+from collapse_monitor.alerts import AlertActions, AlertEvent, check_filters
 from collapse_monitor.conversations import assistant_turns, is_conversation
+from collapse_monitor.engagement import FilterEngagement, fan_out, union_filters
+from collapse_monitor.integrations.trl_filter import TRLSNRFilter, install_snr_filter
 from collapse_monitor.monitor import Monitor
+from collapse_monitor.snr_filter import FIGURE_NAMES, SNRFilter
 
 logger = logging.getLogger("collapse_monitor")
+
+# Logs that are no training step's: an evaluation's, and the summary at the end of training (train_runtime, ...).
+NOT_STEP_LOGS = ("eval_", "train_")
+# TRL's names of figures RAGEN and verl name otherwise: sent under RAGEN's name.
+RAGEN_NAMES = {"entropy": "actor/entropy"}
 
 
 @dataclass
@@ -80,24 +96,66 @@ def attach(
     stop_on: Collection[str] = (),
     rules: Iterable[str] | None = ("TemplateCollapse",),
     alert_poll_seconds: float = 10.0,
+    snr_filter: SNRFilter | None = None,
+    rollback_on: Collection[str] = (),
 ) -> CollapseMonitorCallback:
     """Sends ``trainer``'s generation batches to ``monitor``; returns the callback it added.
 
     Call it after building the trainer and before ``train()``, on every process. ``save_on`` and
     ``stop_on`` (alert states: pending, firing, resolved) save a checkpoint and stop training when
-    an alert of ``rules`` (None: every rule) enters them; see the module docstring.
+    an alert of ``rules`` (None: every rule) enters them; see the module docstring. ``snr_filter``
+    installs the SNR filter (``collapse_monitor.integrations.trl_filter``); with ``engage="on_alert"``
+    it acts from the step after an alert of its ``rules`` entered one of its ``states``.
+    ``rollback_on`` (alert states; needs ``snr_filter`` and "pending" in ``save_on``): stop when an
+    alert of ``rules`` enters one, engage the filter, and hand back the checkpoint saved when the alert
+    was pending (``take_rollback()``) to resume from, as TRL resumes: ``trainer.train(resume_from_checkpoint=...)``.
+
+    Raises:
+        TypeError: not a TRL GRPOTrainer or RLOOTrainer.
+        ValueError: a setting that cannot work, named (alert states, the filter's needs).
     """
     for name in ("reward_funcs", "num_generations", "processing_class", "state", "accelerator"):
         if not hasattr(trainer, name):
             raise TypeError(f"attach() needs a TRL GRPOTrainer or RLOOTrainer; {type(trainer).__name__} has no {name}")
-    actions = None
-    if save_on or stop_on:
-        actions = AlertActions(save_on=save_on, stop_on=stop_on, rules=rules)
-        if trainer.accelerator.is_main_process:
-            actions.watcher = monitor.on_alert(
-                actions, rules=actions.rules, states=actions.states, interval=alert_poll_seconds
+    if rollback_on:
+        if snr_filter is None:
+            raise ValueError("rollback_on resumes training with the SNR filter engaged: pass snr_filter=SNRFilter(...)")
+        if "pending" not in save_on:
+            raise ValueError(
+                "rollback_on returns to the checkpoint saved when the alert became pending: add 'pending' to save_on"
             )
-    callback = CollapseMonitorCallback(trainer, monitor, token_ids, announce_checkpoints, flush_timeout, actions)
+        check_filters(None, rollback_on)  # an unknown state raises
+    stops = (*stop_on, *rollback_on)
+    actions = AlertActions(save_on=save_on, stop_on=stops, rules=rules) if save_on or stops else None
+    snr = None
+    if snr_filter is not None:
+        snr = install_snr_filter(trainer, snr_filter, FilterEngagement(snr_filter))
+    watched: list[tuple[Any, tuple[Iterable[str] | None, Iterable[str]]]] = []
+    if actions is not None:
+        watched.append((actions, (actions.rules, actions.states)))
+    if snr is not None and snr_filter is not None and snr_filter.engage == "on_alert":
+        watched.append((snr.engagement, (snr_filter.rules, snr_filter.states)))
+    if watched and trainer.accelerator.is_main_process:
+        # One watcher for the save, stop and filter decisions: one poll of the run's alerts serves them all.
+        wanted_rules, wanted_states = union_filters(*(wanted for _, wanted in watched))
+        watcher = monitor.on_alert(
+            fan_out(*(callback for callback, _ in watched)),
+            rules=wanted_rules,
+            states=wanted_states,
+            interval=alert_poll_seconds,
+        )
+        for callback, _ in watched:
+            callback.watcher = watcher
+    callback = CollapseMonitorCallback(
+        trainer,
+        monitor,
+        token_ids,
+        announce_checkpoints,
+        flush_timeout,
+        actions,
+        snr_filter=snr,
+        rollback_on=rollback_on,
+    )
     trainer.add_callback(callback)
     return callback
 
@@ -113,9 +171,18 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         announce_checkpoints: bool | None = None,
         flush_timeout: float = 10.0,
         alert_actions: AlertActions | None = None,
+        snr_filter: TRLSNRFilter | None = None,
+        rollback_on: Collection[str] = (),
     ) -> None:
         self.trainer = trainer
         self.alert_actions = alert_actions
+        self.snr_filter = snr_filter
+        self.rollback_on = frozenset(rollback_on)
+        self.rollback_to: str | None = None  # the checkpoint a rollback asked to resume from (take_rollback)
+        self._alert_save = False  # the next save is the one an alert asked for
+        self._alert_checkpoint: str | None = None  # the folder of the newest such save
+        self._sent_step: int | None = None  # the step of the last batch sent: logged figures join it
+        self._warned_unsent = False
         self.monitor = monitor
         self.token_ids = token_ids
         self.announce_checkpoints = (
@@ -191,6 +258,8 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
             self._act_on_alerts(state, control)
 
     def _send(self, state: Any) -> None:
+        # Every rank takes its filter's figures (all computed the same ones from the gathered rewards).
+        figures = self.snr_filter.take_figures() if self.snr_filter is not None else None
         if not self._generations:
             return
         generations, self._generations = self._generations, []
@@ -201,26 +270,77 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
             rows = gather_object(rows)  # concatenated in process order, as TRL gathers its rewards
         if not state.is_world_process_zero:
             return
-        self.monitor.log(state.global_step, trajectories(rows, self.trainer.num_generations))
+        self.monitor.log(state.global_step, trajectories(rows, self.trainer.num_generations), figures=figures)
+        self._sent_step = state.global_step
+
+    def on_log(self, _args: Any, state: Any, _control: Any, logs: dict[str, Any] | None = None, **_kwargs: Any) -> None:
+        """Sends what TRL logged for the step (its losses, rewards, the policy's entropy) beside the step's batch."""
+        if not state.is_world_process_zero or not logs or any(name.startswith(NOT_STEP_LOGS) for name in logs):
+            return
+        figures = {
+            RAGEN_NAMES.get(name, name): value
+            for name, value in logs.items()
+            if name not in FIGURE_NAMES and _is_number(value)
+        }
+        if not figures:
+            return
+        if self._sent_step != state.global_step:
+            # TRL reuses a generation batch for num_iterations > 1 steps: no batch of this step to join.
+            if not self._warned_unsent:
+                self._warned_unsent = True
+                logger.warning(
+                    "collapse-monitor: TRL logged step %d, which sent no batch (a generation batch reused across "
+                    "steps, num_iterations > 1): logged figures are sent only for steps that sent a batch",
+                    state.global_step,
+                )
+            return
+        self.monitor.figures(state.global_step, figures)
 
     def _act_on_alerts(self, state: Any, control: Any) -> None:
         """Applies what the alerts asked since the last step; every rank does the same as the main one."""
         assert self.alert_actions is not None
         decision = self.alert_actions.take(state.global_step)  # only the main process's queue is fed
-        flags = [decision.save, decision.stop]
+        rollback = next((e for e in decision.events if e.state in self.rollback_on), None)
+        flags = [decision.save, decision.stop, rollback is not None and self._alert_checkpoint is not None]
         if self.trainer.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             flags = broadcast_object_list(flags, from_process=0)  # a collective: every rank, every step
         if flags[0]:
             control.should_save = True
+            self._alert_save = True
         if flags[1]:
             control.should_training_stop = True
+        if flags[2]:
+            self._roll_back(state.global_step, rollback)
+
+    def _roll_back(self, step: int, event: AlertEvent | None) -> None:
+        """Stops here (the decision above) with the filter engaged; ``take_rollback`` gives the checkpoint to resume."""
+        assert self.snr_filter is not None
+        engagement = self.snr_filter.engagement
+        if not engagement.engaged:
+            if event is not None:  # the main process: the event is logged and kept in the history
+                engagement.engage(step, event)
+            engagement.engaged = True
+        self.rollback_to = self._alert_checkpoint
+        logger.warning(
+            "collapse-monitor: rolling back: training stops at step %d; resume from %s "
+            "(trainer.train(resume_from_checkpoint=callback.take_rollback())) with the SNR filter engaged",
+            step,
+            self.rollback_to,
+        )
+
+    def take_rollback(self) -> str | None:
+        """The checkpoint a rollback asked to resume from, once (None when there was no rollback since)."""
+        folder, self.rollback_to = self.rollback_to, None
+        return folder
 
     def on_save(self, args: Any, state: Any, _control: Any, **kwargs: Any) -> None:
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if self._alert_save:  # every rank: the checkpoint a rollback returns to
+            self._alert_save, self._alert_checkpoint = False, folder
         if not (self.announce_checkpoints and state.is_world_process_zero):
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         is_lora = hasattr(kwargs.get("model"), "peft_config")
         self.monitor.checkpoint(folder, step=state.global_step, kind="lora" if is_lora else "full")
 
@@ -298,6 +418,10 @@ def trajectories(rows: list[dict[str, Any]], num_generations: int) -> list[dict[
         }
         for i, row in enumerate(rows)
     ]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_async(func: Any) -> bool:

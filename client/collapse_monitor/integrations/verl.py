@@ -22,6 +22,20 @@ In RAGEN's ``RayAgentTrainer.fit`` (ragen/trainer/agent_trainer.py) the second l
 after ``batch = self.agent_proxy.rollout(batch, val=False)``, where RAGEN computes its own collapse
 metrics: before its rollout filter, so the service sees (and advises on) every group.
 
+The SNR filter (``apply_snr_filter``) goes where RAGEN filters, once the batch holds its rewards and
+before the advantages are computed, after ``log_batch`` (which sends every group)::
+
+    snr = SNRFilter(strategy="top_p", value=0.9, engage="on_alert")
+    engagement = FilterEngagement.watch(monitor, snr)                                    # before the loop
+    filtered = apply_snr_filter(batch, snr, step=self.global_steps, engagement=engagement)  # in the loop
+    batch = filtered.batch
+    monitor.figures(self.global_steps, filtered.figures)
+
+``output="mask"`` (the default, as the upstream pull requests) zeroes ``response_mask`` (and RAGEN's
+``loss_mask``) of the dropped groups' rows, which verl's ``token-mean`` loss aggregation (its default)
+then normalises over the kept tokens only; ``output="select"`` returns the kept rows alone, as RAGEN
+does (the batch shrinks: keep its size divisible by what your mini-batches and workers need).
+
 What is read from the batch, per row (one row is one trajectory):
 
 * **turns**: RAGEN's ``all_turns_prompt_ids`` / ``all_turns_reasoning_ids`` when present (the exact
@@ -47,12 +61,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Hashable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from collapse_monitor.alerts import AlertActions
+from collapse_monitor.engagement import FilterEngagement
 from collapse_monitor.monitor import Monitor
+from collapse_monitor.snr_filter import SNRFilter, step_figures
 
 REWARD_TENSORS = ("token_level_scores", "rm_scores", "token_level_rewards")
+LOSS_MASKS = ("response_mask", "loss_mask")  # verl's, RAGEN's: what a dropped row's loss is masked with
 
 
 def watch_alerts(
@@ -139,6 +157,87 @@ def trajectories(
     if not out:
         raise ValueError(f"none of the {len(indices)} rows holds a model turn")
     return out
+
+
+@dataclass(frozen=True)
+class FilteredBatch:
+    """What ``apply_snr_filter`` did to one batch.
+
+    ``batch`` is what to train on (masked, or the kept rows); ``kept_rows`` the rows of the given batch
+    that train (every row when the filter was not engaged); ``row_kept`` the same as a [n_rows] bool
+    tensor (a loss mask to apply elsewhere); ``figures`` the step's series (``monitor.figures``).
+    """
+
+    batch: Any
+    kept_rows: list[int]
+    row_kept: Any
+    figures: dict[str, float]
+    engaged: bool
+
+
+def apply_snr_filter(
+    batch: Any,
+    snr_filter: SNRFilter,
+    *,
+    step: int,
+    engagement: FilterEngagement | None = None,
+    reward_key: str | None = None,
+    output: str = "mask",
+) -> FilteredBatch:
+    """Keeps the prompt groups of a ``DataProto`` whose rewards spread the most (see the module docstring).
+
+    Groups and rewards are read as ``trajectories`` reads them (``uid``, else ``group_ids``, else identical
+    prompts; ``token_level_scores``, ``rm_scores`` or ``token_level_rewards`` summed, or ``reward_key``); a
+    row without a finite reward is left out of its group's statistics. ``engagement``: when the filter acts
+    (``FilterEngagement.watch(monitor, snr_filter)`` for ``engage="on_alert"``; none needed for "always");
+    it is read here, on the training thread, without any network call.
+
+    Raises:
+        ValueError: an unknown ``output``, ``engage="on_alert"`` without an engagement, no mask to zero
+            (``output="mask"``), or a batch whose groups all hold one row.
+        KeyError: the batch holds no rewards.
+    """
+    if output not in ("mask", "select"):
+        raise ValueError(f"output must be 'mask' or 'select', got {output!r}")
+    tensors, extra = batch.batch, batch.non_tensor_batch or {}
+    masks = [name for name in LOSS_MASKS if _has(tensors, name)]
+    if output == "mask" and not masks:
+        raise ValueError(f"output='mask' needs a loss mask to zero ({', '.join(LOSS_MASKS)}); use output='select'")
+    if engagement is None:
+        if snr_filter.engage != "always":
+            raise ValueError("SNRFilter engage='on_alert' needs engagement=FilterEngagement.watch(monitor, snr_filter)")
+        engagement = FilterEngagement(snr_filter)
+    engagement.update(step)
+    n_rows = len(batch)
+    keys = _groups(tensors, extra, n_rows)
+    rewards = _rewards(tensors, extra, reward_key, list(range(n_rows)))
+    index: dict[Hashable, int] = {}
+    group_of_row = [index.setdefault(key, len(index)) for key in keys]
+    by_group: list[list[float]] = [[] for _ in index]
+    rows = [0] * len(index)
+    for g, reward in zip(group_of_row, rewards):
+        rows[g] += 1
+        if reward is not None:
+            by_group[g].append(reward)
+    if max(rows) < 2:
+        raise ValueError(
+            f"the SNR filter ranks prompt groups by their reward spread, but each of the {n_rows} rows is a group "
+            "of its own: give rows of one prompt the same uid (or group_ids)"
+        )
+    # A group without any reward has no spread: one reward 0 says so under both variants.
+    selection = snr_filter.select([g or [0.0] for g in by_group], rows=rows)
+    engaged = engagement.engaged
+    kept_rows = [r for r, g in enumerate(group_of_row) if not engaged or selection.kept[g]]
+    like = tensors[masks[0]] if masks else tensors["responses"]
+    row_kept = like.new_tensor([1 if not engaged or selection.kept[g] else 0 for g in group_of_row]).bool()
+    filtered = batch
+    if len(kept_rows) < n_rows:
+        if output == "select":
+            filtered = batch.select_idxs(kept_rows)
+        else:
+            for name in masks:
+                tensors[name] = tensors[name] * row_kept.unsqueeze(-1).to(tensors[name].dtype)
+    return FilteredBatch(filtered, kept_rows, row_kept, step_figures([(selection, engaged)]), engaged)
 
 
 class _Decoder:
