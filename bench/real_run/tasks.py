@@ -46,6 +46,8 @@ class Arm:
     family: str = "arith"
     entropy_coef: float | None = None  # TRL's entropy bonus; None: the run's --entropy-coef
     beta: float = 0.0  # TRL's KL weight against the starting weights (the LoRA's base)
+    snr_filter: str = ""  # RAGEN's SNR filter (top_p 0.9): "" none, "always", or "on_alert" (LowRewardSignal or
+    # TemplateCollapse pending)
     seed: int | None = None  # None: the run's --seed
 
 
@@ -84,6 +86,14 @@ ZOO = {
     "arith-starved-paper": Arm("task", 2e-3, hard=True, entropy_coef=0.003, beta=3e-4),
 }
 ARMS.update(ZOO)
+# Acting on the cause (issue 28): the collapsing setup with RAGEN-2's regularisation on a task mix where half
+# the prompts are beyond the model (their groups earn no reward spread), without the SNR filter, with it
+# from the start, and with it engaged by the alert. Same start, seed and tasks.
+FILTER_ARMS = {
+    f"filter-{name}": Arm("task", 2e-3, hard=0.5, entropy_coef=0.003, beta=3e-4, snr_filter=engage)
+    for name, engage in (("none", ""), ("always", "always"), ("alert", "on_alert"))
+}
+ARMS.update(FILTER_ARMS)
 FAMILIES = ("arith", "word", "reverse")
 OPENING_WORDS = 5  # an "opening" is a completion's first five words
 _NUMBER = re.compile(r"-?\d[\d,]*")

@@ -206,8 +206,9 @@ def run_settings(arm: str, args: argparse.Namespace, policy: bool) -> dict[str, 
 def train(args: argparse.Namespace) -> None:
     import datasets
     import torch
-    from collapse_monitor import Monitor
+    from collapse_monitor import Monitor, SNRFilter
     from collapse_monitor.integrations.trl import attach
+    from collapse_monitor.integrations.trl_filter import install_snr_filter
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
@@ -265,14 +266,19 @@ def train(args: argparse.Namespace) -> None:
         ),
         callbacks=build_callbacks(recorder, save=bool(args.url)),
     )
+    # RAGEN's filter as the paper runs it (top_p 0.9 of the reward spread), from the start or from an alert.
+    snr = SNRFilter(strategy="top_p", value=0.9, engage=arm.snr_filter) if arm.snr_filter else None
+    if snr is not None and not args.url:
+        install_snr_filter(trainer, snr)  # engage="always": no service needed
     monitors = []
     for policy in (False, True) if args.url else ():  # no --url: train and record only (the zoo)
         name = f"{args.run_prefix}-{args.arm}" + ("-policy" if policy else "")
         monitor = Monitor(args.url, name, spool_dir=out / "spool", strict=True, **run_settings(args.arm, args, policy))
         if policy:
             attach(trainer, monitor)
-        else:  # the live run, scored every step, is the one acted on
-            attach(trainer, monitor, save_on=_states(args.save_on), stop_on=_states(args.stop_on))
+        else:  # the live run, scored every step, is the one acted on (and the one that engages the filter)
+            save_on, stop_on = _states(args.save_on), _states(args.stop_on)
+            attach(trainer, monitor, save_on=save_on, stop_on=stop_on, snr_filter=snr)
         monitors.append(monitor)
     trainer.train()
     for monitor in monitors:
