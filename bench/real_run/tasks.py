@@ -74,6 +74,7 @@ ZOO = {
     "word-style": Arm("style", 1e-3, family="word"),
     "word-lr": Arm("task", 3e-3, family="word"),
     "word-starved": Arm("task", 2e-3, hard=True, family="word", entropy_coef=0.01),
+    "word-consensus": Arm("consensus", 2e-3, family="word"),
     "reverse-healthy": Arm("task", 5e-4, family="reverse"),
     "reverse-long": Arm("long", 5e-4, family="reverse"),
     "reverse-style": Arm("style", 1e-3, family="reverse"),
