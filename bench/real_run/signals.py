@@ -10,7 +10,11 @@ and judges every TemplateCollapse signal against an independent, words-only grou
   mean over every step of the family's healthy control (``<family>-healthy``: every arm of a family
   starts from the same weights); an arm **collapsed** at the first step from 2 on where the ground
   truth is below half that level and stays there the next step (or it is the last step). An arm
-  that never does is healthy, whatever its driver was meant to do.
+  that never does is healthy, whatever its driver was meant to do. A collapsed arm whose policy
+  entropy (TRL's ``entropy``) at the crossing is more than ``BLOW_UP`` times its step-1 entropy blew
+  up into text that reads nothing (an entropy explosion): TemplateCollapse, which watches input
+  dependence fall *while entropy does not*, is judged on the other collapses (``template``) only,
+  and the blow-ups are reported apart.
 * **Signals**: each candidate is the service's own rule (``service.alerts.rules.evaluate``) on the
   arm's stored series, with the run defaults but for the signal (and the variants named in
   ``CANDIDATES``); head budgets other than the service's are computed from the stored head sums with
@@ -43,6 +47,7 @@ from service.alerts.rules import evaluate
 from service.schemas.alerts import AlertSettings
 
 GROUND_TRUTH = "word_retrieval_above_chance"
+BLOW_UP = 3.0  # policy entropy at the crossing over its step-1 value: past it, a collapse is an entropy explosion
 SERVICE_HEAD = 32  # the head budget the zoo's service computed (Settings.head_tokens when it scored)
 # (label, AlertSettings fields, which series: "service" as stored, or "head@k" with the head budget k)
 CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
@@ -180,12 +185,16 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
         record, scored = zoo.read_record(arm), zoo.read_scored(arm)
         truth = [s[GROUND_TRUTH] for s in record]
         cross = crossing(truth, family_level(tasks.ZOO[arm].family))
+        entropy = [s["trl"].get("entropy", math.nan) for s in record]
+        label = "healthy" if cross is None else "blow-up" if entropy[cross - 1] > BLOW_UP * entropy[0] else "template"
         sources = {source for _, _, source in CANDIDATES}
         series = {source: step_series(scored, source) for source in sources}
         out[arm] = {
             "driver": tasks.ZOO[arm].reward + ("/hard" if tasks.ZOO[arm].hard else ""),
             "family": tasks.ZOO[arm].family,
             "collapsed_at": cross,
+            "label": label,
+            "policy_entropy": [round(e, 2) for e in entropy],
             "truth": [round(t, 3) for t in truth],
             "task_success": [round(s["task_success"], 3) for s in record],
             "mean_words": [round(s["mean_words"], 1) for s in record],
@@ -203,13 +212,16 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
 
 
 def summary(arms: dict[str, Any], by: Callable[[dict[str, Any]], dict[str, int | None]]) -> dict[str, Any]:
-    """Per candidate: detections and delays on collapsed arms, false alarms on healthy ones."""
+    """Per candidate: detections and delays on template collapses, false alarms on healthy arms, what it did on
+    blow-ups."""
     table: dict[str, Any] = {}
     for label, _, _ in CANDIDATES:
-        delays, missed, false_alarms = {}, [], []
+        delays, missed, false_alarms, blow_ups = {}, [], [], {}
         for arm, a in arms.items():
             step = by(a)[label]
-            if a["collapsed_at"] is None:
+            if a["label"] == "blow-up":
+                blow_ups[arm] = None if step is None else step - a["collapsed_at"]
+            elif a["collapsed_at"] is None:
                 if step is not None:
                     false_alarms.append(f"{arm}@{step}")
             elif step is None:
@@ -224,6 +236,7 @@ def summary(arms: dict[str, Any], by: Callable[[dict[str, Any]], dict[str, int |
             "delays": delays,
             "missed": missed,
             "false_alarms": false_alarms,
+            "blow_ups": blow_ups,
         }
     return table
 
