@@ -13,7 +13,8 @@ and judges every TemplateCollapse signal against an independent, words-only grou
   that never does is healthy, whatever its driver was meant to do. A collapsed arm whose policy
   entropy (TRL's ``entropy``) at the crossing is more than ``BLOW_UP`` times its step-1 entropy blew
   up into text that reads nothing (an entropy explosion): TemplateCollapse, which watches input
-  dependence fall *while entropy does not*, is judged on the other collapses (``template``) only,
+  dependence fall *while entropy does not*, is judged on the other collapses (``template``) only
+  (the entropy is read at the crossing and the two steps after it: an explosion takes a few steps),
   and the blow-ups are reported apart.
 * **Signals**: each candidate is the service's own rule (``service.alerts.rules.evaluate``) on the
   arm's stored series, with the run defaults but for the signal (and the variants named in
@@ -23,7 +24,7 @@ and judges every TemplateCollapse signal against an independent, words-only grou
   step; negative: before the ground truth crossed), false alarms (fired on a healthy arm), and the
   Spearman correlation of the signal's series with task success and with the ground truth, per arm
   (their mean) and pooled over every arm's steps (the paper's table, at this scale).
-* **Prompts per step** (item 2): the same rules on the matrices restricted to the first 4 and 6 of
+* **Prompts per step** (item 2): the same rules on the matrices restricted to the first 2, 3, 4 and 6 of
   the 8 prompts of every step, to see what a smaller scored batch can still detect.
 
 Prints the table as JSON and writes it to ``--out``.
@@ -49,6 +50,7 @@ from service.schemas.alerts import AlertSettings
 GROUND_TRUTH = "word_retrieval_above_chance"
 BLOW_UP = 3.0  # policy entropy at the crossing over its step-1 value: past it, a collapse is an entropy explosion
 SERVICE_HEAD = 32  # the head budget the zoo's service computed (Settings.head_tokens when it scored)
+PROMPT_SUBSETS = (2, 3, 4, 6)  # the first n of the 8 prompts of every step: what a smaller scored batch sees
 # (label, AlertSettings fields, which series: "service" as stored, or "head@k" with the head budget k)
 CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
     ("retrieval_above_chance (default)", {}, "service"),
@@ -60,6 +62,8 @@ CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("mi_estimate, baseline 3", {"signal": "mi_estimate", "baseline_steps": 3}, "service"),
     ("mi_head_excess k=32, baseline 3", {"signal": "mi_head_excess", "baseline_steps": 3}, "head@32"),
+    ("mi_seq_normalized, baseline 3", {"signal": "mi_seq_normalized", "baseline_steps": 3}, "service"),
+    ("mi_zscore_ema, baseline 3", {"signal": "mi_zscore_ema", "baseline_steps": 3}, "service"),
     ("mi_cusum", {"signal": "mi_cusum"}, "service"),
     ("mi_estimate", {"signal": "mi_estimate"}, "service"),
     ("mi_zscore_ema", {"signal": "mi_zscore_ema"}, "service"),
@@ -186,7 +190,8 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
         truth = [s[GROUND_TRUTH] for s in record]
         cross = crossing(truth, family_level(tasks.ZOO[arm].family))
         entropy = [s["trl"].get("entropy", math.nan) for s in record]
-        label = "healthy" if cross is None else "blow-up" if entropy[cross - 1] > BLOW_UP * entropy[0] else "template"
+        after = max(entropy[cross - 1 : cross + 2]) if cross is not None else math.nan
+        label = "healthy" if cross is None else "blow-up" if after > BLOW_UP * entropy[0] else "template"
         sources = {source for _, _, source in CANDIDATES}
         series = {source: step_series(scored, source) for source in sources}
         out[arm] = {
@@ -204,7 +209,7 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
                     label: fired(step_series(scored, source, columns=n), AlertSettings(**fields))
                     for label, fields, source in CANDIDATES
                 }
-                for n in (4, 6)
+                for n in PROMPT_SUBSETS
             },
             "series": {name: [v for _, v in series["service"].get(name, [])] for name in CORRELATED},
         }
@@ -266,6 +271,39 @@ def correlations(arms: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of docs/alerts.md: per signal on 8, 6 and 4 prompts a step; the Spearman correlations."""
+    arms = result["arms"]
+    n_template = sum(a["label"] == "template" for a in arms.values())
+    n_healthy = sum(a["label"] == "healthy" for a in arms.values())
+    lines = [
+        f"| signal (TemplateCollapse, run defaults otherwise) | detected of {n_template} template collapses, "
+        f"within 2 steps (8 / 6 / 4 / 3 / 2 prompts) | median delay, steps (8 prompts) | false alarms on "
+        f"{n_healthy} healthy arms (8 / 6 / 4 / 3 / 2) | blow-ups caught (8 prompts) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for label, row in result["signals"].items():
+        by = [row, *(result["by_prompts"][n][label] for n in ("6", "4", "3", "2"))]
+        caught = sum(d is not None for d in row["blow_ups"].values())
+        lines.append(
+            f"| {label} | {' / '.join(str(r['within_2_steps']) for r in by)} "
+            f"(detected {row['detected']}) | {row['median_delay']} | "
+            f"{' / '.join(str(len(r['false_alarms'])) for r in by)} | {caught} of {len(row['blow_ups'])} |"
+        )
+    lines += [
+        "",
+        "| series | Spearman with task success (mean per arm / pooled) | with the ground truth |",
+        "| --- | --- | --- |",
+    ]
+    for name, c in result["correlations"].items():
+        success, truth = (
+            f"{c['success_per_arm']} / {c['success_pooled']}",
+            f"{c['truth_per_arm']} / {c['truth_pooled']}",
+        )
+        lines.append(f"| `{name}` | {success} | {truth} |")
+    return "\n".join(lines) + "\n"
+
+
 def _mean(values: list[float]) -> float | None:
     return round(float(np.mean(values)), 3) if values else None
 
@@ -277,6 +315,7 @@ def _round(value: float | None) -> float | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=zoo.RECORDS / "signals.json")
+    parser.add_argument("--markdown", action="store_true", help="print the docs' tables instead of the JSON")
     args = parser.parse_args()
     arms = [a for a in tasks.ZOO if zoo.scored_path(a).exists()]
     table = arm_table(arms)
@@ -284,11 +323,14 @@ def main() -> None:
         "command": "python -m bench.real_run.signals",
         "arms": {a: {k: v for k, v in t.items() if k != "series"} for a, t in table.items()},
         "signals": summary(table, lambda a: a["fired"]),
-        "by_prompts": {n: summary(table, lambda a, n=n: a["fired_by_prompts"][n]) for n in ("4", "6")},
+        "by_prompts": {str(n): summary(table, lambda a, n=n: a["fired_by_prompts"][str(n)]) for n in PROMPT_SUBSETS},
         "correlations": correlations(table),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("signals", "correlations")}, indent=1))
+    if args.markdown:
+        print(markdown(result), end="")
+    else:
+        print(json.dumps({k: result[k] for k in ("signals", "correlations")}, indent=1))
 
 
 if __name__ == "__main__":

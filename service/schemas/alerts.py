@@ -71,11 +71,13 @@ class AlertSettings(BaseModel):
 
     enabled: bool = Field(True, description="Evaluate alert rules for this run.")
     signal: Signal = Field(
-        "retrieval_above_chance",
-        description="The input-dependence signal TemplateCollapse watches (the default calibrated on the SmolLM2 "
-        "corpus, docs/corpus.md). mi_cusum: a one-sided CUSUM of mi_estimate standardized by its standard error "
-        "against its baseline (scoring.estimators.cusum), which fires when it exceeds cusum_threshold; the others: "
-        "a level (threshold, drop_fraction).",
+        "retrieval_chance_corrected",
+        description="The input-dependence signal TemplateCollapse watches. The default was chosen on the zoo of real "
+        "trained runs (docs/alerts.md, Choosing the signal): chance-corrected retrieval, (accuracy - chance) / "
+        "(1 - chance), which neither follows length nor saturates, and means the same whatever the number of "
+        "prompts. mi_cusum: a one-sided CUSUM of mi_estimate standardized by its standard error against its "
+        "baseline (scoring.estimators.cusum), which fires when it exceeds cusum_threshold; the others: a level "
+        "(threshold, drop_fraction).",
     )
     threshold: float | None = Field(
         None,
@@ -97,7 +99,13 @@ class AlertSettings(BaseModel):
     cusum_threshold: float = Field(
         3.0, gt=0, le=1e6, description="mi_cusum: the CUSUM level (in standard errors) above which a step counts."
     )
-    baseline_steps: int = Field(5, ge=1, le=MAX_WINDOW, description="Scored steps whose median is the baseline.")
+    baseline_steps: int = Field(
+        3,
+        ge=1,
+        le=MAX_WINDOW,
+        description="Scored steps whose median is the baseline. 3 on the zoo of real runs: a run whose learning "
+        "rate is too high loses input dependence by its third step, before a 5-step baseline exists.",
+    )
     window: int = Field(
         2,
         ge=1,
