@@ -169,6 +169,9 @@ def excess_over_null(L: np.ndarray, column_of_row: np.ndarray, weights: np.ndarr
     return float(matched.mean() - (L @ weights).mean())
 
 
+PERMUTATION_CHUNK_ELEMENTS = 2**18  # shuffled row assignments held at once by permutation_p
+
+
 def permutation_p(L: np.ndarray, column_of_row: np.ndarray, config: DependenceConfig) -> float:
     """The permutation p-value of mean(matched): rows' own columns shuffled ``config.permutations`` times.
 
@@ -177,10 +180,17 @@ def permutation_p(L: np.ndarray, column_of_row: np.ndarray, config: DependenceCo
     rng = np.random.default_rng(config.seed)
     rows = np.arange(L.shape[0])
     observed = L[rows, column_of_row].mean()
-    shuffled = rng.permuted(np.tile(column_of_row, (config.permutations, 1)), axis=1)  # [B, R]
-    null = L[rows[None, :], shuffled].mean(axis=1)  # [B]
-    # A tolerance of float rounding: a shuffle that reproduces the assignment ties with it.
-    return float((1 + (null >= observed - 1e-12).sum()) / (config.permutations + 1))
+    # Shuffles drawn a chunk at a time, so the null costs a few MB whatever R (all B at once: three [B, R]
+    # arrays, 60 MB at the row limit); the generator draws row by row, so the shuffles are the same.
+    chunk = max(1, PERMUTATION_CHUNK_ELEMENTS // max(L.shape[0], 1))
+    exceeding = 0
+    for start in range(0, config.permutations, chunk):
+        n = min(chunk, config.permutations - start)
+        shuffled = rng.permuted(np.tile(column_of_row, (n, 1)), axis=1)  # [n, R]
+        null = L[rows[None, :], shuffled].mean(axis=1)  # [n]
+        # A tolerance of float rounding: a shuffle that reproduces the assignment ties with it.
+        exceeding += int((null >= observed - 1e-12).sum())
+    return float((1 + exceeding) / (config.permutations + 1))
 
 
 def duplicate_row_ratio(reasonings: Sequence[Sequence[int]], prompt_of_row: np.ndarray) -> float:

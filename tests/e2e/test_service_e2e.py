@@ -64,10 +64,10 @@ def test_ingest_score_scrape_with_a_real_prometheus(processes, tmp_path):
     assert float(up[0]["value"][1]) == 1
 
 
-def heavy_batch(step: int) -> dict:
-    """Enough distinct prompts and rows that the tiny model needs about a second on 2 cores."""
+def heavy_batch(step: int, groups: int = 16) -> dict:
+    """Enough distinct prompts and rows that the tiny model needs about a second on 2 cores (16 groups)."""
     out = []
-    for g in range(16):
+    for g in range(groups):
         for k in range(3):
             out.append(
                 {

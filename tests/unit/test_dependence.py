@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from scoring import dependence
 from scoring.dependence import (
     DEPENDENCE_METRICS,
     HEAD_METRICS,
@@ -125,6 +126,18 @@ def test_the_permutation_p_value_matches_a_naive_loop_over_the_same_shuffles():
     expected = (1 + sum(n >= observed - 1e-12 for n in nulls)) / 51
     assert permutation_p(L, cols, config) == pytest.approx(expected)
     assert permutation_p(L, cols, config) == permutation_p(L, cols, config)  # seeded
+
+
+def test_the_permutation_null_drawn_in_chunks_is_the_null_drawn_at_once(monkeypatch):
+    """Chunks bound its memory at the row limit; the generator's stream, and so the p-value, is unchanged."""
+    rng = np.random.default_rng(5)
+    cols = np.repeat(np.arange(4), 5)
+    L = rng.normal(size=(20, 4)) + 0.3 * (np.arange(4)[None, :] == cols[:, None])
+    config = DependenceConfig(permutations=97, seed=2)
+    at_once = permutation_p(L, cols, config)
+    monkeypatch.setattr(dependence, "PERMUTATION_CHUNK_ELEMENTS", 3 * 20 + 7)  # chunks of 3 shuffles, the last of 1
+    assert permutation_p(L, cols, config) == at_once
+    assert 0.01 < at_once < 0.99  # a p-value the shuffles decide, not a bound
 
 
 def test_a_permutation_null_is_uniform_when_rows_do_not_depend_on_columns():
