@@ -166,7 +166,7 @@ def error_body(error: str, detail: str, field: str | None = None) -> dict[str, A
     return {"error": error, "detail": detail, "field": field, "index": None}
 
 
-def wait_for(client: TestClient, batch_id: str, timeout: float = 60.0) -> dict:
+def wait_for(client: TestClient, batch_id: str, timeout: float = 180.0) -> dict:  # generous: loads of 10+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status: dict = client.get(f"/v1/batches/{batch_id}").json()

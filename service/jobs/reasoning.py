@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from scoring.partition import Extraction, Partition, has_think_tags, partition_turn
 from scoring.samplers import Trajectory, Turn
+from service.schemas.alerts import PROMPTS_TO_SEE
 from service.schemas.inputs import BatchIn, TurnWithEntropy
 from service.schemas.results import ReasoningSummary
 
@@ -95,6 +96,21 @@ def ingest_warnings(payload: BatchIn, extraction: Extraction, found: Found) -> l
             f"only {with_reasoning} trajectory carries reasoning; cross-scoring needs at least 2, so the batch "
             "will not be cross-scored"
         )
+    else:
+        prompts = len({t.group_id for t in presence if any(turn.reasoning_ids for turn in t.turns)})
+        if prompts == 1:
+            warnings.append(
+                f"all {with_reasoning} trajectories carrying reasoning share one prompt (group_id): cross-scoring "
+                "needs 2 or more, so the batch has no input-dependence figures"
+            )
+        elif prompts < PROMPTS_TO_SEE:
+            # Scored, but with few columns retrieval moves in coarse steps (chance is 1/prompts) and MI's
+            # ceiling is ln(prompts): only a near-total collapse stands out from a step's noise.
+            warnings.append(
+                f"the trajectories carrying reasoning come from {prompts} prompts (group_id); TemplateCollapse "
+                f"sees a collapse before it is near-total only with {PROMPTS_TO_SEE} or more a step "
+                "(docs/alerts.md, Enough rows to see)"
+            )
     if all(t.reward is None for t in payload.trajectories):
         warnings.append(f"all {len(payload.trajectories)} rewards are missing (null): no reward figures")
     return warnings

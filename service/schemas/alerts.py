@@ -34,6 +34,10 @@ class SignalSpec:
     entropy: str = "conditional_entropy_est"  # the H(Z|X) whose band the rule checks: of the same tokens
 
 
+# Distinct prompts a scored batch needs for TemplateCollapse to see a collapse before it is near-total: on
+# the zoo of real runs the default rule caught every collapse within 2 steps with 4 or more, fewer with 2-3,
+# and false-alarmed with 2 (docs/alerts.md, Enough rows to see; bench/real_run/signals.py measures it).
+PROMPTS_TO_SEE = 4
 CUSUM = "mi_cusum"  # not a stored series: the rule's CUSUM of mi_estimate and mi_estimate_se
 HEAD_ENTROPY = "conditional_entropy_head_est"
 # The one registry of signals (``Signal`` names them for the schema; a test keeps the two equal).

@@ -14,6 +14,13 @@ from tests.fixtures import wait_for
 pytestmark = pytest.mark.integration
 
 
+# plain_batch's two prompts are too few for TemplateCollapse to see a collapse early: every scored one says so.
+TWO_PROMPTS = (
+    "the trajectories carrying reasoning come from 2 prompts (group_id); TemplateCollapse sees a collapse before it "
+    "is near-total only with 4 or more a step (docs/alerts.md, Enough rows to see)"
+)
+
+
 def plain_batch(step: int, rewards: list[float | None] | None = None) -> dict:
     """Two prompts, three completions each, no think tags; one completion cut inside a think block."""
     responses = ["The door on the left.", "Left, then up.", "<think>First I check the", "Up.", "Go up twice.", "Up!"]
@@ -37,7 +44,7 @@ def test_auto_scores_plain_completions_as_whole_responses(database_url, client_f
     assert run.json()["reasoning_extraction"] == "auto"
     accepted = client.post("/v1/runs/grpo-plain/batches", json=plain_batch(1))
     assert accepted.status_code == 202
-    assert accepted.json()["warnings"] == []
+    assert accepted.json()["warnings"] == [TWO_PROMPTS]
     results = wait_for(client, accepted.json()["batch_id"])["results"]
     assert results["scored"] is True
     assert "skipped_reason" not in results
@@ -94,7 +101,7 @@ def test_null_rewards_are_accepted_left_out_of_the_reward_figures_and_counted(da
     with_missing = plain_batch(1, rewards=[1.0, None, 0.0, None, None, None])
     accepted = client.post("/v1/runs/missing-rewards/batches", json=with_missing)
     assert accepted.status_code == 202
-    assert accepted.json()["warnings"] == []
+    assert accepted.json()["warnings"] == [TWO_PROMPTS]
     results = wait_for(client, accepted.json()["batch_id"])["results"]
     assert results["rewards"]["group_ids"] == [0]  # group 1 has no reward left
     assert results["rewards"]["missing_rewards"] == 4
@@ -103,7 +110,7 @@ def test_null_rewards_are_accepted_left_out_of_the_reward_figures_and_counted(da
     assert results["scored"] is True  # cross-scoring does not need rewards
 
     none_at_all = client.post("/v1/runs/missing-rewards/batches", json=plain_batch(2, rewards=[None] * 6))
-    assert none_at_all.json()["warnings"] == ["all 6 rewards are missing (null): no reward figures"]
+    assert none_at_all.json()["warnings"] == [TWO_PROMPTS, "all 6 rewards are missing (null): no reward figures"]
     figures = wait_for(client, none_at_all.json()["batch_id"])["results"]["figures"]
     assert figures["missing_reward_ratio"] == 1.0
     assert "reward_mean" not in figures

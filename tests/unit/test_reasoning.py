@@ -82,13 +82,26 @@ def test_a_batch_that_will_score_nothing_is_answered_with_a_warning_naming_the_f
         "were opened and never closed; the batch will not be cross-scored (send reasoning or set the run's "
         "reasoning_extraction to auto or whole_response)"
     )
-    assert warnings_of(batch(PLAIN), "auto") == []
+    assert warnings_of(batch(PLAIN * 2), "auto") == []  # 4 prompts: scored, and enough to see
+
+
+def test_a_batch_of_too_few_prompts_to_see_a_collapse_is_answered_with_a_warning():
+    two = "the trajectories carrying reasoning come from 2 prompts (group_id); TemplateCollapse sees a collapse"
+    assert warnings_of(batch(PLAIN), "auto")[0].startswith(two)
+    assert "3 prompts" in warnings_of(batch(PLAIN + PLAIN[:2]), "auto")[0]
+    assert warnings_of(batch(PLAIN[:2]), "auto") == [
+        "all 2 trajectories carrying reasoning share one prompt (group_id): cross-scoring needs 2 or more, so the "
+        "batch has no input-dependence figures"
+    ]
+    # Prompts count only with reasoning: 4 groups, of which 3 carry it
+    assert "3 prompts" in warnings_of(batch(["<think>a</think>"] * 6 + ["none"] * 2), "think_tags")[0]
 
 
 def test_one_trajectory_with_reasoning_is_not_enough_and_missing_rewards_are_named():
     assert warnings_of(batch(["<think>a</think>", "none"]), "think_tags") == [
         "only 1 trajectory carries reasoning; cross-scoring needs at least 2, so the batch will not be cross-scored"
     ]
-    assert warnings_of(batch(["<think>a</think>", "<think>b</think>"], rewards=[None, None]), "auto") == [
-        "all 2 rewards are missing (null): no reward figures"
+    four_prompts = ["<think>a</think>", "<think>b</think>"] * 4
+    assert warnings_of(batch(four_prompts, rewards=[None] * 8), "auto") == [
+        "all 8 rewards are missing (null): no reward figures"
     ]
