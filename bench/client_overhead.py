@@ -19,15 +19,14 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import tiny_grpo
 from serving import percentiles, served
 
 
@@ -81,77 +80,24 @@ def measure_log(url: str, calls: int, spool: Path) -> dict[str, Any]:
 
 
 def measure_trl(url: str, steps: int, rounds: int, folder: Path) -> dict[str, Any]:
-    import datasets
-    import torch
     from collapse_monitor import Monitor
     from collapse_monitor.integrations.trl import CollapseMonitorCallback, attach
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from scoring.models import build_tiny_random
-
-    torch.set_num_threads(1)
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    prompts = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(64)]
 
     def reward(completions: list[Any], **_kwargs: Any) -> list[float]:
         return [len(c[0]["content"]) / 10 for c in completions]
 
-    class StepClock(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_step_end(self, *_args: Any, **_kwargs: Any) -> None:
-            self.ends.append(time.perf_counter())
-
     integration_seconds: list[float] = []
-    original = CollapseMonitorCallback.on_step_end
-
-    def timed_step_end(self: Any, *args: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
-        original(self, *args, **kwargs)
-        integration_seconds.append(time.perf_counter() - t0)
-
-    CollapseMonitorCallback.on_step_end = timed_step_end  # type: ignore[method-assign]  # timing only
+    tiny_grpo.timed(CollapseMonitorCallback, "on_step_end", integration_seconds)
 
     def run(monitored: bool, index: int) -> list[float]:
-        model, tokenizer = build_tiny_random(seed=1)
-        tokenizer.chat_template = template
-        args = GRPOConfig(
-            output_dir=str(folder / f"run-{index}"),
-            per_device_train_batch_size=16,
-            num_generations=4,
-            max_completion_length=24,
-            max_steps=steps,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            bf16=False,
-            use_cpu=True,
-            seed=index,
-            dataloader_num_workers=0,
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=[reward],
-            args=args,
-            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-            processing_class=tokenizer,
-        )
-        clock = StepClock()
-        trainer.add_callback(clock)
-        if monitored:
-            monitor = Monitor(url, f"bench-trl-{index}", spool_dir=folder / "spool", schedule={"every": 1000})
-            attach(trainer, monitor)
-        with contextlib.redirect_stdout(sys.stderr):  # the trainer prints its logs; stdout is for the JSON
-            trainer.train()
-        if monitored:
-            monitor.close()
-        return [b - a for a, b in zip(clock.ends, clock.ends[1:], strict=False)][1:]  # the first steps warm up
+        grpo = tiny_grpo.trainer(folder, index, steps, reward)
+        if not monitored:
+            return tiny_grpo.step_seconds(grpo)
+        monitor = Monitor(url, f"bench-trl-{index}", spool_dir=folder / "spool", schedule={"every": 1000})
+        attach(grpo, monitor)
+        seconds = tiny_grpo.step_seconds(grpo)
+        monitor.close()
+        return seconds
 
     plain: list[float] = []
     monitored: list[float] = []
@@ -161,7 +107,7 @@ def measure_trl(url: str, steps: int, rounds: int, folder: Path) -> dict[str, An
     return {
         "steps_per_run": steps,
         "rounds": rounds,
-        "completions_per_step": 16,
+        "completions_per_step": tiny_grpo.COMPLETIONS_PER_STEP,
         "step_seconds_without": round(statistics.median(plain), 4),
         "step_seconds_with": round(statistics.median(monitored), 4),
         "step_time_ratio": round(statistics.median(monitored) / statistics.median(plain), 4),
