@@ -21,7 +21,9 @@ and judges every TemplateCollapse signal against an independent, words-only grou
   ``CANDIDATES``); head budgets other than the service's are computed from the stored head sums with
   the service's formulas (``scoring.dependence``).
 * **Per signal**: detections (fired on a collapsed arm), the delay of each (fired step - crossing
-  step; negative: before the ground truth crossed), false alarms (fired on a healthy arm), and the
+  step; negative: before the ground truth crossed; "within 2 steps" is a delay from -2 to 2, and a firing
+  more than 2 steps ahead, while the words still read the prompt, is an early alarm and counted apart),
+  false alarms (fired on a healthy arm), and the
   Spearman correlation of the signal's series with task success and with the ground truth, per arm
   (their mean) and pooled over every arm's steps (the paper's table, at this scale).
 * **Prompts per step** (item 2): the same rules on the matrices restricted to the first 2, 3, 4 and 6 of
@@ -49,28 +51,32 @@ from service.schemas.alerts import AlertSettings
 
 GROUND_TRUTH = "word_retrieval_above_chance"
 BLOW_UP = 3.0  # policy entropy at the crossing over its step-1 value: past it, a collapse is an entropy explosion
+EARLY = 2  # a firing more than this many steps before the ground truth crossed is an early alarm, not a detection
 SERVICE_HEAD = 32  # the head budget the zoo's service computed (Settings.head_tokens when it scored)
 PROMPT_SUBSETS = (2, 3, 4, 6)  # the first n of the 8 prompts of every step: what a smaller scored batch sees
 # (label, AlertSettings fields, which series: "service" as stored, or "head@k" with the head budget k)
 CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
-    ("retrieval_above_chance (default)", {}, "service"),
-    ("retrieval_above_chance, baseline 3", {"baseline_steps": 3}, "service"),
+    ("retrieval_chance_corrected, baseline 3 (the default)", {}, "service"),
     (
-        "retrieval_chance_corrected, baseline 3",
-        {"signal": "retrieval_chance_corrected", "baseline_steps": 3},
+        "retrieval_above_chance, baseline 5 (the previous default)",
+        {"signal": "retrieval_above_chance", "baseline_steps": 5},
         "service",
     ),
-    ("mi_estimate, baseline 3", {"signal": "mi_estimate", "baseline_steps": 3}, "service"),
-    ("mi_head_excess k=32, baseline 3", {"signal": "mi_head_excess", "baseline_steps": 3}, "head@32"),
-    ("mi_seq_normalized, baseline 3", {"signal": "mi_seq_normalized", "baseline_steps": 3}, "service"),
-    ("mi_zscore_ema, baseline 3", {"signal": "mi_zscore_ema", "baseline_steps": 3}, "service"),
-    ("mi_cusum", {"signal": "mi_cusum"}, "service"),
-    ("mi_estimate", {"signal": "mi_estimate"}, "service"),
-    ("mi_zscore_ema", {"signal": "mi_zscore_ema"}, "service"),
-    ("retrieval_chance_corrected", {"signal": "retrieval_chance_corrected"}, "service"),
+    (
+        "retrieval_chance_corrected, baseline 5",
+        {"signal": "retrieval_chance_corrected", "baseline_steps": 5},
+        "service",
+    ),
+    ("retrieval_chance_corrected, window 1", {"window": 1}, "service"),
+    ("retrieval_chance_corrected, window 3", {"window": 3}, "service"),
     ("retrieval_mrr", {"signal": "retrieval_mrr"}, "service"),
     ("mi_seq_normalized", {"signal": "mi_seq_normalized"}, "service"),
+    ("mi_estimate", {"signal": "mi_estimate"}, "service"),
+    ("mi_estimate, baseline 5", {"signal": "mi_estimate", "baseline_steps": 5}, "service"),
     ("mi_excess", {"signal": "mi_excess"}, "service"),
+    ("mi_zscore_ema", {"signal": "mi_zscore_ema"}, "service"),
+    ("mi_cusum", {"signal": "mi_cusum"}, "service"),
+    ("mi_cusum, baseline 5", {"signal": "mi_cusum", "baseline_steps": 5}, "service"),
     ("mi_head_estimate k=8", {"signal": "mi_head_estimate"}, "head@8"),
     ("mi_head_estimate k=16", {"signal": "mi_head_estimate"}, "head@16"),
     ("mi_head_estimate k=32", {"signal": "mi_head_estimate"}, "head@32"),
@@ -203,6 +209,7 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
             "truth": [round(t, 3) for t in truth],
             "task_success": [round(s["task_success"], 3) for s in record],
             "mean_words": [round(s["mean_words"], 1) for s in record],
+            "train_minutes": round(record[-1]["elapsed_seconds"] / 60, 1),
             "fired": {label: fired(series[source], AlertSettings(**fields)) for label, fields, source in CANDIDATES},
             "fired_by_prompts": {
                 str(n): {
@@ -233,10 +240,14 @@ def summary(arms: dict[str, Any], by: Callable[[dict[str, Any]], dict[str, int |
                 missed.append(arm)
             else:
                 delays[arm] = step - a["collapsed_at"]
-        on_time = [d for d in delays.values() if d <= 2]
+        # Within 2 steps either side: the ground truth's half-level line is a convention, and a signal that
+        # falls a step or two before the words do is early, not wrong. Further ahead, the words had not fallen:
+        # an alarm on a dip the run recovered from, counted apart.
+        on_time = [d for d in delays.values() if -EARLY <= d <= 2]
         table[label] = {
             "detected": f"{len(delays)}/{len(delays) + len(missed)}",
             "within_2_steps": len(on_time),
+            "early": [f"{arm}@{arms[arm]['collapsed_at'] + d}" for arm, d in delays.items() if d < -EARLY],
             "median_delay": float(np.median(list(delays.values()))) if delays else None,
             "delays": delays,
             "missed": missed,
@@ -272,22 +283,37 @@ def correlations(arms: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The tables of docs/alerts.md: per signal on 8, 6 and 4 prompts a step; the Spearman correlations."""
+    """The tables of docs/alerts.md: per arm what happened and when the default fired; per signal on 8, 6, 4, 3
+    and 2 prompts a step; the Spearman correlations."""
     arms = result["arms"]
     n_template = sum(a["label"] == "template" for a in arms.values())
     n_healthy = sum(a["label"] == "healthy" for a in arms.values())
+    default = CANDIDATES[0][0]
     lines = [
-        f"| signal (TemplateCollapse, run defaults otherwise) | detected of {n_template} template collapses, "
-        f"within 2 steps (8 / 6 / 4 / 3 / 2 prompts) | median delay, steps (8 prompts) | false alarms on "
-        f"{n_healthy} healthy arms (8 / 6 / 4 / 3 / 2) | blow-ups caught (8 prompts) |",
-        "| --- | --- | --- | --- | --- |",
+        "| arm | driver | label | ground truth crossing | default fired | words-only retrieval, first / last step | "
+        "task success, max | mean words, first / last | policy entropy, first / max | training, min |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, a in arms.items():
+        lines.append(
+            f"| {arm} | {a['driver']} | {a['label']} | {a['collapsed_at'] or '-'} | {a['fired'][default] or '-'} | "
+            f"{a['truth'][0]} / {a['truth'][-1]} | {max(a['task_success'])} | {a['mean_words'][0]} / "
+            f"{a['mean_words'][-1]} | {a['policy_entropy'][0]} / {max(a['policy_entropy'])} | {a['train_minutes']} |"
+        )
+    lines += [
+        "",
+        f"| signal (TemplateCollapse, run defaults otherwise) | of {n_template} template collapses, fired within 2 "
+        f"steps of the crossing (8 / 6 / 4 / 3 / 2 prompts) | median delay, steps (8 prompts) | fired 3 or more "
+        f"steps early (8 prompts) | false alarms on {n_healthy} healthy arms (8 / 6 / 4 / 3 / 2) | blow-ups "
+        "caught (8 prompts) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for label, row in result["signals"].items():
         by = [row, *(result["by_prompts"][n][label] for n in ("6", "4", "3", "2"))]
         caught = sum(d is not None for d in row["blow_ups"].values())
         lines.append(
             f"| {label} | {' / '.join(str(r['within_2_steps']) for r in by)} "
-            f"(detected {row['detected']}) | {row['median_delay']} | "
+            f"(detected {row['detected']}) | {row['median_delay']} | {', '.join(row['early']) or '-'} | "
             f"{' / '.join(str(len(r['false_alarms'])) for r in by)} | {caught} of {len(row['blow_ups'])} |"
         )
     lines += [
