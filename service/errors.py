@@ -13,7 +13,8 @@
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  an idempotency_key sent again with different content
     │   │   ├── RunConflict      409  a run name re-created with different settings
-    │   │   └── FigureConflict   409  a trainer figure of a step sent again with another value
+    │   │   ├── FigureConflict   409  a trainer figure of a step sent again with another value
+    │   │   └── StepConflict     409  a matrix step that went back while a later one was stored concurrently
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
@@ -123,6 +124,10 @@ class RunConflict(Conflict):
 
 class FigureConflict(Conflict):
     code = "figure_conflict"
+
+
+class StepConflict(Conflict):
+    code = "step_conflict"
 
 
 class TooLarge(ClientError):
