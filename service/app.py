@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from service.access import TokenCache
 from service.api import alerts, batches, matrices, overview, pages, runs, system
+from service.api.bodies import MAX_LISTED_ERRORS, BodyValidationError
 from service.api.middleware import (
     AnswerErrors,
     BodyLimit,
@@ -167,14 +168,16 @@ async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     request.app.state.monitor.metrics.rejections.labels("validation").inc()
+    errors = error.errors()
+    n_errors = error.n_errors if isinstance(error, BodyValidationError) else len(errors)
     detail = []
-    for e in error.errors():
+    for e in errors[:MAX_LISTED_ERRORS]:
         message, field = e["msg"], field_path(e["loc"]) or "body"
         if e["type"] == "json_invalid":  # its location is a character offset, not a field
             field = "body"
             message = f"{message}: {e.get('ctx', {}).get('error', 'not valid JSON')} (at character {e['loc'][-1]})"
         detail.append({"loc": list(e["loc"]), "field": field, "msg": message, "type": e["type"]})
-    return JSONResponse({"error": "validation", "detail": detail}, status_code=422)
+    return JSONResponse({"error": "validation", "detail": detail, "n_errors": n_errors}, status_code=422)
 
 
 async def _database_error(request: Request, error: exc.SQLAlchemyError) -> JSONResponse:

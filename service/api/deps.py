@@ -106,7 +106,7 @@ class AccessFirst(APIRoute):
                 return await handler(request)  # a missing body: FastAPI's 422
             # Held until the answer is built: the parsed model lives as long as the handler runs.
             async with _state(request).bodies.hold(len(raw)):
-                parsed = await run_in_threadpool(parse_body, raw, model)
+                parsed = await run_in_threadpool(parse_body, raw, model, _state(request).settings)
                 return await handler(ParsedRequest(request, raw, parsed))
 
         return access_then_body
