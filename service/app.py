@@ -28,6 +28,7 @@ from service.api.middleware import (
     BodyTooLarge,
     CountRequests,
     NoNulInUrl,
+    OneOfEachHeader,
     RateLimit,
     SameOrigin,
     SecurityHeaders,
@@ -135,6 +136,7 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.rate_limit_per_second > 0:
         app.add_middleware(RateLimit, rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
     app.add_middleware(TrustedHosts, allowed=settings.trusted_hosts)
+    app.add_middleware(OneOfEachHeader)  # before the host check and the rate limiter read either header
     app.add_middleware(CountRequests)
     app.add_middleware(AnswerErrors)
     app.add_middleware(SecurityHeaders)

@@ -231,6 +231,34 @@ class Settings(BaseSettings):
         "refused, 400 untrusted_host); '*.example.com' covers subdomains, '*' any host. Empty while binding every "
         "interface (0.0.0.0, ::): any host. /healthz and /readyz answer any host.",
     )
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description="Addresses of the proxies in front whose X-Forwarded-For and X-Forwarded-Proto `serve` trusts "
+        "(uvicorn's forwarded_allow_ips; '*' any). Empty: no proxy headers are read, so the rate limiter keys on "
+        "the address that connected (uvicorn's own default trusts them from 127.0.0.1, where a local client could "
+        "then rotate its address at will).",
+    )
+    max_connections: int = Field(
+        500,
+        ge=1,
+        description="Connections (and requests being handled) `serve` holds at once; a request beyond it answers "
+        "503 at once (uvicorn's limit_concurrency). Keep it below the process's descriptor limit (ulimit -n).",
+    )
+    keep_alive_seconds: int = Field(
+        5, ge=1, description="How long `serve` keeps an idle connection open between requests."
+    )
+    request_head_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Time a client has to send a request's line and headers, from the connection's opening or the "
+        "end of the previous answer; then `serve` closes the connection (one sending nothing, or a byte a second).",
+    )
+    request_body_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Time a client has to send a request's whole body once its headers are in (a 32 MiB body then "
+        "needs ~0.3 MB/s); then `serve` closes the connection.",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="Browser origins (scheme://host[:port]) besides the service's own that may send POST, PUT, PATCH "

@@ -1,0 +1,100 @@
+"""Connections against a real `collapse-monitor serve` (uvicorn's own behaviour): proxy headers only from a
+configured proxy, deadlines on slow or silent clients, the concurrency cap, one log line per kind."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import service_env, start_service
+
+pytestmark = pytest.mark.e2e
+
+
+def rotating_statuses(base: str, n: int) -> list[int]:
+    with httpx.Client(base_url=base, timeout=30) as client:
+        return [client.get("/v1/runs", headers={"x-forwarded-for": f"10.0.{i // 250}.{i % 250}"}).status_code
+                for i in range(n)]  # fmt: skip
+
+
+@pytest.mark.parametrize("proxy", [None, "127.0.0.1"])
+def test_forwarded_addresses_are_read_only_from_a_configured_proxy(tmp_path, processes, proxy):
+    """Issue 29 row 6: uvicorn trusted X-Forwarded-For from loopback, so a local client rotating it got 600 x 200."""
+    extra = {"COLLAPSE_MONITOR_FORWARDED_ALLOW_IPS": f'["{proxy}"]'} if proxy else {}
+    env = service_env(
+        tmp_path,
+        COLLAPSE_MONITOR_RATE_LIMIT_PER_SECOND="0.01",
+        COLLAPSE_MONITOR_RATE_LIMIT_BURST="5",
+        COLLAPSE_MONITOR_SCORING_PAUSED="true",
+        **extra,
+    )
+    statuses = rotating_statuses(start_service(processes, env), 20)
+    if proxy is None:  # one client, whatever it claims: its burst, then 429
+        assert (statuses.count(200), statuses.count(429)) == (5, 15), statuses
+    else:  # behind the listed proxy each forwarded address is a client of its own
+        assert statuses == [200] * 20
+
+
+def test_silent_and_slow_clients_are_closed_and_others_still_served(tmp_path, processes):
+    """Issue 29 row 4: 50 connections sending nothing, or a byte a second, were never closed."""
+    env = service_env(
+        tmp_path,
+        COLLAPSE_MONITOR_REQUEST_HEAD_SECONDS="2",
+        COLLAPSE_MONITOR_REQUEST_BODY_SECONDS="3",
+        COLLAPSE_MONITOR_SCORING_PAUSED="true",
+    )
+    base = start_service(processes, env)
+    port = int(base.rsplit(":", 1)[1])
+    sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    head = b"POST /v1/runs HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    for s in sockets[5:10]:
+        s.sendall(head[:5])  # a head a few bytes at a time
+    for s in sockets[10:20]:
+        s.sendall(head + b"Content-Length: 1000\r\n\r\n{")  # a body a byte at a time
+    closed: set[int] = set()
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=base, timeout=5) as other:
+        while len(closed) < len(sockets) and time.monotonic() < deadline:
+            for i, s in enumerate(sockets):
+                if i in closed:
+                    continue
+                try:
+                    s.sendall(head[5:6] if 5 <= i < 10 else b" " if i >= 10 else b"")
+                    s.setblocking(False)
+                    if s.recv(65536) == b"":
+                        closed.add(i)
+                except BlockingIOError:
+                    pass
+                except OSError:  # reset: closed by the server
+                    closed.add(i)
+            started = time.monotonic()
+            assert other.get("/readyz").status_code == 200
+            assert time.monotonic() - started < 3  # others are served meanwhile
+            time.sleep(1)
+    for s in sockets:
+        s.close()
+    assert len(closed) == 20, f"{len(closed)} of 20 closed within 30 s"
+    log = processes.log("serve")
+    # One line per kind of refusal, not one per connection.
+    assert log.count("closed a connection whose request head was not in") == 1, log[-3000:]
+    assert log.count("closed a connection whose request body was not in") == 1, log[-3000:]
+
+
+def test_connections_past_the_cap_are_answered_503_at_once(tmp_path, processes):
+    env = service_env(tmp_path, COLLAPSE_MONITOR_MAX_CONNECTIONS="8", COLLAPSE_MONITOR_SCORING_PAUSED="true")
+    base = start_service(processes, env)
+    port = int(base.rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(10)]
+    try:
+        time.sleep(0.5)
+        statuses = [httpx.get(f"{base}/v1/runs", timeout=10).status_code for _ in range(3)]
+        assert statuses == [503] * 3
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.5)
+    assert httpx.get(f"{base}/v1/runs", timeout=10).status_code == 200
+    assert processes.log("serve").count("Exceeded concurrency limit") == 1
