@@ -21,6 +21,7 @@
     │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
         ├── ParsingBusy          503  other bodies being parsed hold ``max_parsing_bytes``; retry shortly
+        ├── ReadsBusy            503  ``SERIES_READERS`` long series reads are being read already; retry shortly
         └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
 Any other exception answers 500 ``internal_error`` in the same shape (``service.api.middleware``).
@@ -163,6 +164,14 @@ class ParsingBusy(Unavailable):
 
     retry_after: int = 1
     code = "parsing_busy"
+
+
+@dataclass
+class ReadsBusy(Unavailable):
+    """Other long series reads hold their share of the database connections; retry shortly."""
+
+    retry_after: int = 1
+    code = "reads_busy"
 
 
 @dataclass

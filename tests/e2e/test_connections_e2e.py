@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import socket
 import time
+import uuid
 
 import httpx
 import pytest
+from sqlalchemy import create_engine, insert, select
 
+from service.storage.tables import Batch, MetricPoint, Run
 from tests.e2e.conftest import service_env, start_service
 
 pytestmark = pytest.mark.e2e
@@ -98,3 +101,51 @@ def test_connections_past_the_cap_are_answered_503_at_once(tmp_path, processes):
     time.sleep(0.5)
     assert httpx.get(f"{base}/v1/runs", timeout=10).status_code == 200
     assert processes.log("serve").count("Exceeded concurrency limit") == 1
+
+
+def seed_series(database_url: str, run: str, n_steps: int, per_step: int = 10) -> None:
+    """``n_steps`` steps of ``per_step`` points of run ``run``, written in bulk."""
+    engine = create_engine(database_url)
+    with engine.begin() as connection:
+        run_id = connection.scalar(select(Run.id).where(Run.name == run))
+        ids = [uuid.uuid4().hex for _ in range(n_steps)]
+        batch = {"run_id": run_id, "kind": "matrix", "payload": "", "payload_sha256": "", "status": "done"}
+        connection.execute(insert(Batch), [batch | {"id": ids[step], "step": step} for step in range(n_steps)])
+        connection.execute(
+            insert(MetricPoint),
+            [
+                {"run_id": run_id, "batch_id": ids[step], "step": step, "sampler": "matrix", "name": f"m{k}"}
+                | {"value": step + k / 7, "scorer": "tiny-random"}
+                for step in range(n_steps)
+                for k in range(per_step)
+            ],
+        )
+    engine.dispose()
+
+
+def test_clients_that_never_read_a_long_series_hold_no_database_connection(tmp_path, processes):
+    """Issue 29 row 2: 16 such clients kept the pool's sessions; every database request then answered 503."""
+    env = service_env(tmp_path, COLLAPSE_MONITOR_SCORING_PAUSED="true")
+    base = start_service(processes, env)
+    assert httpx.post(f"{base}/v1/runs", json={"name": "r"}, timeout=30).status_code == 201
+    seed_series(f"sqlite:///{tmp_path / 'data' / 'collapse-monitor.db'}", "r", 20_000)  # ~30 MB as JSON
+    port = int(base.rsplit(":", 1)[1])
+    request = b"GET /v1/runs/r/metrics?limit=1000000&segments=all HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    readers = []
+    for _ in range(16):
+        reader = socket.create_connection(("127.0.0.1", port))
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        reader.sendall(request)  # and never reads the answer
+        readers.append(reader)
+    try:
+        time.sleep(5)  # the reads are under way, or their answers wait in the sockets
+        with httpx.Client(base_url=base, timeout=30) as other:
+            for i in range(3):
+                started = time.monotonic()
+                assert other.get("/readyz").status_code == 200
+                assert other.post("/v1/runs", json={"name": f"w{i}"}).status_code == 201
+                assert time.monotonic() - started < 5, f"{time.monotonic() - started:.1f} s"
+                time.sleep(1)
+    finally:
+        for reader in readers:
+            reader.close()
