@@ -36,7 +36,7 @@ from service.api.middleware import (
 )
 from service.api.rate_limit import BodyBudget
 from service.api.state import AppState
-from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
+from service.errors import DatabaseUnavailable, MonitorError, StorageFull, field_path, rejection_reasons
 from service.metrics import (
     SCORING_SECONDS_BUCKETS,
     DiagnosticsCollector,
@@ -47,7 +47,7 @@ from service.metrics import (
 from service.runtime import Background, Loop
 from service.settings import Settings
 from service.storage.alerts import active_alerts, delivery_counts
-from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
+from service.storage.database import STORAGE_FULL, first_line, make_engine, make_sessions, migrate, outage
 from service.storage.points import latest_values
 from service.storage.queue import batch_counts, scoring_stats
 from service.storage.readiness import DatabaseProbe
@@ -189,6 +189,10 @@ async def _database_error(request: Request, error: exc.SQLAlchemyError) -> JSONR
         raise error  # AnswerErrors logs it and answers 500
     cause = getattr(error, "orig", None) or error
     log.warning("%s %s: database %s: %s", request.method, request.url.path, reason, first_line(cause))
+    if reason == STORAGE_FULL:
+        request.app.state.monitor.database_probe.note_storage_full()
+        detail = f"{reason}; nothing of this request was kept. An operator frees space (payload_retention_days)"
+        return await _monitor_error(request, StorageFull(detail))
     detail = f"the database is unavailable ({reason}); retry after the Retry-After header"
     return await _monitor_error(request, DatabaseUnavailable(detail))
 

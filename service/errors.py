@@ -19,6 +19,7 @@
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
     │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
+    ├── StorageFull              507  the database's disk is full: writes refused until space is freed
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
         ├── ParsingBusy          503  other bodies being parsed hold ``max_parsing_bytes``; retry shortly
         ├── ReadsBusy            503  ``SERIES_READERS`` long series reads are being read already; retry shortly
@@ -175,6 +176,14 @@ class ReadsBusy(Unavailable):
 
 
 @dataclass
+class StorageFull(MonitorError):
+    """The database's disk is full: nothing of the request was kept; reads still work."""
+
+    status = 507
+    code = "storage_full"
+
+
+@dataclass
 class DatabaseUnavailable(Unavailable):
     """The database cannot be reached or did not answer in time: retryable, nothing of the request kept.
 
@@ -203,7 +212,7 @@ def field_path(loc: Sequence[object]) -> str:
 def rejection_reasons() -> list[str]:
     """Every reason a refusal is counted under, so each series exists (at 0) from the first scrape.
 
-    The codes of the 4xx/503 errors, plus the refusals made outside them: schema validation, a
+    The codes of the 4xx/503/507 errors, plus the refusals made outside them: schema validation, a
     body over the size limit, and the web framework's own (unknown route, wrong method).
     """
     codes = {"validation", "body_too_large", "not_found", "method_not_allowed", "invalid_request"}
@@ -211,6 +220,6 @@ def rejection_reasons() -> list[str]:
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
-        if 400 <= cls.status < 500 or cls.status == 503:
+        if 400 <= cls.status < 500 or cls.status in (503, 507):
             codes.add(cls.code)
     return sorted(codes)

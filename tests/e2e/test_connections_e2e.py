@@ -4,8 +4,11 @@ configured proxy, deadlines on slow or silent clients, the concurrency cap, one 
 from __future__ import annotations
 
 import socket
+import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -149,3 +152,36 @@ def test_clients_that_never_read_a_long_series_hold_no_database_connection(tmp_p
     finally:
         for reader in readers:
             reader.close()
+
+
+@pytest.fixture
+def tiny_volume(tmp_path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (needs root; skipped otherwise): a volume that really fills up."""
+    folder = tmp_path / "volume"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_volume_answers_507_storage_full_and_readyz_says_so(tmp_path, processes, tiny_volume):
+    env = service_env(tmp_path, COLLAPSE_MONITOR_DATA_DIR=str(tiny_volume), COLLAPSE_MONITOR_SCORING_PAUSED="true")
+    base = start_service(processes, env)
+    with httpx.Client(base_url=base, timeout=30) as client:
+        assert client.post("/v1/runs", json={"name": "r"}).status_code == 201
+        turns = [{"prompt": "p" * 200_000, "response": "r"}]
+        statuses = []
+        for step in range(1, 40):
+            batch = {"step": step, "trajectories": [{"group_id": 0, "reward": 1.0, "turns": turns}]}
+            statuses.append(client.post("/v1/runs/r/batches", json=batch).status_code)
+            if statuses[-1] != 202:
+                break
+        assert statuses[-1] == 507, statuses
+        ready = client.get("/readyz")
+        assert (ready.status_code, ready.json()["database"][:12]) == (503, "storage full")
+        assert client.get("/v1/runs/r").status_code == 200
+    assert "database or disk is full" in processes.log("serve")
