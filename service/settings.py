@@ -150,7 +150,8 @@ class Settings(BaseSettings):
     max_parsing_bytes: int = Field(
         64 * 1024 * 1024,
         ge=1024,
-        description="Request body bytes parsed at once, all requests together: parsing holds up to ~9x a body's "
+        description="Request body bytes read and parsed at once, all requests together (a body counts from its "
+        "first byte, by its Content-Length, else as max_body_bytes): parsing holds up to ~9x a body's "
         "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
         "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
     )

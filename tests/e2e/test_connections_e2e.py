@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -185,3 +186,38 @@ def test_a_full_volume_answers_507_storage_full_and_readyz_says_so(tmp_path, pro
         assert (ready.status_code, ready.json()["database"][:12]) == (503, "storage full")
         assert client.get("/v1/runs/r").status_code == 200
     assert "database or disk is full" in processes.log("serve")
+
+
+def filter_body(size: int) -> bytes:
+    """A valid POST /v1/filter body of exactly ``size`` bytes (padded with JSON whitespace)."""
+    body = b'{"rewards": [[1.0, 0.0], [1.0, 1.0]]'
+    return body + b" " * (size - len(body) - 1) + b"}"
+
+
+def test_a_body_being_read_holds_its_share_of_the_parsing_budget(tmp_path, processes):
+    """Issue 29 row 8: bodies were read whole before the budget applied (20 x 31 MB grew the server by 1.2 GB)."""
+    env = service_env(tmp_path, COLLAPSE_MONITOR_MAX_PARSING_BYTES=str(2**20), COLLAPSE_MONITOR_SCORING_PAUSED="true")
+    base = start_service(processes, env)
+    port = int(base.rsplit(":", 1)[1])
+    size = 800_000  # two do not fit in the 1 MiB budget at once
+    slow = socket.create_connection(("127.0.0.1", port))
+    head = "POST /v1/filter HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {size}\r\n\r\n"
+    body = filter_body(size)
+    slow.sendall(head.encode() + body[:1000])  # its body is being read: it holds 800 KB of the budget
+    time.sleep(0.5)
+    answers: list[int] = []
+    other = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{base}/v1/filter", content=filter_body(size), headers={"content-type": "application/json"},
+                       timeout=60).status_code
+        )
+    )  # fmt: skip
+    other.start()
+    other.join(2)
+    assert answers == []  # waiting for its turn
+    slow.sendall(body[1000:])
+    assert b"200 OK" in slow.recv(65536)
+    other.join(30)
+    assert answers == [200]
+    slow.close()
