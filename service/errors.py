@@ -16,6 +16,7 @@
     │   │   ├── FigureConflict   409  a trainer figure of a step sent again with another value
     │   │   └── StepConflict     409  a matrix step that went back while a later one was stored concurrently
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
+    │   │   └── StorageQuota     413  a run whose stored payloads would pass ``max_stored_bytes_per_run``
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
     │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
@@ -135,6 +136,10 @@ class StepConflict(Conflict):
 class TooLarge(ClientError):
     status = 413
     code = "too_large"
+
+
+class StorageQuota(TooLarge):
+    code = "storage_quota"
 
 
 @dataclass

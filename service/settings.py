@@ -271,6 +271,12 @@ class Settings(BaseSettings):
         ge=0,
         description="How long an API process keeps a token lookup; a revoked token stops working within this time.",
     )
+    max_stored_bytes_per_run: int = Field(
+        10 * 2**30,
+        ge=0,
+        description="Bytes of batch payloads one run may hold stored (accepted and not yet purged by "
+        "payload_retention_days); a batch or matrix beyond it is refused, 413 storage_quota. 0 turns it off.",
+    )
     max_runs_per_token: int = Field(
         1000, ge=0, description="Runs one ingest token may create (403 beyond); 0 turns the limit off."
     )

@@ -16,7 +16,7 @@ from scoring.dependence import DependenceConfig, dependence_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from service.errors import Conflict, InvalidRequest, NotFound, StepConflict, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
-from service.ingest.limits import check_size
+from service.ingest.limits import check_size, store_payload
 from service.ingest.runs import require_run, segment_for
 from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
@@ -97,6 +97,7 @@ def ingest_matrix(
                     digest,
                     status="queued",  # finished below, in this transaction: no worker ever sees it
                 )
+                store_payload(session, run.id, len(raw), settings.max_stored_bytes_per_run)
                 session.add(batch)
                 try:
                     session.flush()

@@ -10,12 +10,14 @@ import json
 import threading
 import tracemalloc
 import uuid
+from datetime import timedelta
 
 import numpy as np
 import pytest
 from sqlalchemy import func, insert, select, update
 
-from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix
+from service.storage import deletion
+from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix, utcnow
 from tests.fixtures import dependence_matrix, error_body, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
@@ -265,3 +267,26 @@ def test_the_heatmap_excerpts_are_stored_at_scoring_time_under_the_runs_extracti
     for prompt in body["per_prompt"]:
         assert prompt["excerpts"], prompt
         assert all(e == f"Group {prompt['group_id']} plan without tags." for e in prompt["excerpts"])
+
+
+def test_a_run_past_its_stored_bytes_is_refused_413_until_retention_frees_them(database_url, client_for):
+    """Issue 29 row 7: 100 off-schedule batches of 3.1 MB were all accepted (+382 MB), bounded by nothing."""
+    bodies = {step: json.dumps(dependence_matrix(step, 1.0) | {"sampler": "matrix"}).encode() for step in (1, 2, 3)}
+    client = client_for(database_url, scoring_paused=True, max_stored_bytes_per_run=int(2.5 * len(bodies[1])))
+    client.post("/v1/runs", json={"name": "r"})
+
+    def upload(step: int):
+        return client.post("/v1/runs/r/matrices", content=bodies[step], headers=JSON)
+
+    assert [upload(step).status_code for step in (1, 2)] == [201, 201]
+    refused = upload(3)
+    assert refused.status_code == 413
+    assert refused.json()["error"] == "storage_quota"
+    assert refused.json()["field"] == "run"
+    assert "(max_stored_bytes_per_run)" in refused.json()["detail"]
+    assert count(client, Batch) == 2
+    with client.app.state.monitor.sessions.begin() as session:
+        assert session.scalar(select(Run.payload_bytes)) == len(bodies[1]) + len(bodies[2])
+        deletion.purge_payloads(session, utcnow() + timedelta(days=1), 1)  # retention purges the oldest
+        assert session.scalar(select(Run.payload_bytes)) == len(bodies[2])
+    assert upload(3).status_code == 201
