@@ -271,6 +271,12 @@ class Settings(BaseSettings):
         ge=0,
         description="How long an API process keeps a token lookup; a revoked token stops working within this time.",
     )
+    max_runs_without_token: int = Field(
+        1000,
+        ge=0,
+        description="Runs that requests without a token (open mode) may create, all together (403 beyond; "
+        "concurrent creations may pass it by a few); 0 turns the limit off.",
+    )
     max_stored_bytes_per_run: int = Field(
         10 * 2**30,
         ge=0,
