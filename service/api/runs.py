@@ -7,6 +7,7 @@ import io
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Annotated
+from urllib.parse import urlencode
 
 import orjson
 from fastapi import APIRouter, Body, Query, Response, status
@@ -14,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
 from service.api.state import SERIES_READERS, AppState
-from service.errors import ReadsBusy
+from service.errors import NotFound, ReadsBusy
 from service.ingest import batches, figures, matrices, runs
 from service.schemas.inputs import (
     INT32_MAX,
@@ -78,9 +79,23 @@ def create_run(state: State, access: Caller, body: RunCreate, response: Response
 
 
 @router.get("", dependencies=[ReadsAll])
-def list_runs(state: State) -> list[RunResponse]:
+def list_runs(
+    state: State,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Runs per page, in creation order.")] = 1000,
+    after: Annotated[
+        str | None, Query(max_length=200, description="The last run of the previous page (its `Link: rel=next`).")
+    ] = None,
+) -> list[RunResponse]:
+    """The runs, a page of ``limit`` at a time; a full page links to the next one (``Link: <...>; rel="next"``)."""
     with state.sessions() as session:
-        return [runs.run_response(session, run) for run in stored_runs.list_runs(session)]
+        if after is not None and stored_runs.run_by_name(session, after) is None:
+            raise NotFound(f"after must name a run, got {after!r} (deleted since the previous page?)", field="after")
+        found = stored_runs.list_runs(session, limit, after)
+        page = runs.run_responses(session, found)
+    if len(found) == limit:
+        response.headers["Link"] = f'</v1/runs?{urlencode({"limit": limit, "after": found[-1].name})}>; rel="next"'
+    return page
 
 
 @router.get("/{run}", dependencies=[ReadsRun])

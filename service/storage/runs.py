@@ -20,17 +20,24 @@ def run_by_name(session: Session, name: str) -> Run | None:
     return session.scalar(select(Run).where(Run.name == name))
 
 
-def list_runs(session: Session) -> Sequence[Run]:
-    return session.scalars(select(Run).order_by(Run.id)).all()
+def list_runs(session: Session, limit: int, after: str | None = None) -> Sequence[Run]:
+    """Up to ``limit`` runs in creation order, from the one after the run called ``after`` (keyset pages)."""
+    query = select(Run).order_by(Run.id).limit(limit)
+    if after is not None:
+        query = query.where(Run.id > select(Run.id).where(Run.name == after).scalar_subquery())
+    return session.scalars(query).all()
 
 
-def last_step(session: Session, run_id: int) -> int | None:
-    """The newest step with stored figures in the run's current segment (a matrix's included)."""
-    return session.scalar(
-        select(func.max(LatestMetric.step))
+def last_steps(session: Session, run_ids: Sequence[int]) -> dict[int, int]:
+    """run id -> the newest step with stored figures in the run's current segment (a matrix's included);
+    runs without figures are absent. One query."""
+    rows = session.execute(
+        select(LatestMetric.run_id, func.max(LatestMetric.step))
         .join(Run, Run.id == LatestMetric.run_id)
-        .where(LatestMetric.run_id == run_id, LatestMetric.segment == Run.segment)
-    )
+        .where(LatestMetric.run_id.in_(run_ids), LatestMetric.segment == Run.segment)
+        .group_by(LatestMetric.run_id)
+    ).all()
+    return {int(run_id): int(step) for run_id, step in rows}
 
 
 def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> int | None:

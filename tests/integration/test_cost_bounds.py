@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import event, func, insert, select, update
 
 from service.storage import deletion
 from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix, utcnow
@@ -290,3 +290,47 @@ def test_a_run_past_its_stored_bytes_is_refused_413_until_retention_frees_them(d
         deletion.purge_payloads(session, utcnow() + timedelta(days=1), 1)  # retention purges the oldest
         assert session.scalar(select(Run.payload_bytes)) == len(bodies[2])
     assert upload(3).status_code == 201
+
+
+def statements_of(client, request) -> tuple[int, object]:
+    """How many SQL reads ``request()`` ran on the app's engine, and its answer."""
+    seen: list[str] = []
+
+    def count_one(_conn, _cursor, statement, *_args) -> None:
+        if " FROM " in statement.upper().replace("\n", " "):  # not the pool's ping (Postgres) or a ROLLBACK
+            seen.append(statement)
+
+    engine = client.app.state.monitor.engine
+    event.listen(engine, "before_cursor_execute", count_one)
+    try:
+        answer = request()
+    finally:
+        event.remove(engine, "before_cursor_execute", count_one)
+    return len(seen), answer
+
+
+def test_the_run_list_takes_the_same_few_queries_for_3_or_30_runs_a_page_at_a_time(client):
+    """Issue 29 row 5: ~3 queries a run made a list of 10,000 runs take 12-28 s."""
+    for i in range(2):
+        assert (
+            client.post("/v1/runs/r/matrices", json=dependence_matrix(i + 1, 1.0) | {"batch_id": f"m{i}"}).status_code
+            == 201
+        )
+    for i in range(2):
+        client.post("/v1/runs", json={"name": f"x{i:02d}"})
+    few, answer = statements_of(client, lambda: client.get("/v1/runs"))
+    assert len(answer.json()) == 3
+    for i in range(2, 29):
+        client.post("/v1/runs", json={"name": f"x{i:02d}"})
+    many, answer = statements_of(client, lambda: client.get("/v1/runs"))
+    assert len(answer.json()) == 30
+    assert many == few <= 6, (few, many)
+    assert answer.json()[0]["last_step"] == 2
+    assert answer.json()[0]["batches"] == {"done": 2}
+    names, url = [], "/v1/runs?limit=12"
+    while url:
+        page = client.get(url)
+        names += [r["name"] for r in page.json()]
+        url = page.links.get("next", {}).get("url")
+    assert names == [r["name"] for r in answer.json()]
+    assert client.get("/v1/runs", params={"after": "gone"}).status_code == 404
