@@ -11,6 +11,7 @@ import threading
 import tracemalloc
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import pytest
@@ -292,7 +293,7 @@ def test_a_run_past_its_stored_bytes_is_refused_413_until_retention_frees_them(d
     assert upload(3).status_code == 201
 
 
-def statements_of(client, request) -> tuple[int, object]:
+def statements_of(client, request) -> tuple[int, Any]:
     """How many SQL reads ``request()`` ran on the app's engine, and its answer."""
     seen: list[str] = []
 
