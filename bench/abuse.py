@@ -18,8 +18,9 @@ large_body (a rollouts batch of N MB of text), token_ids (one ~27 MB batch of to
 paused: the server's growth over the body, its answer and the longest concurrent ``GET /v1/runs``;
 then N such bodies at once, a 503 ``parsing_busy`` retried after ``Retry-After``) and
 anonymous_body (an N MB malformed body sent without a token to a server that has one: the answer
-and its time). ``--pythonpath`` runs the server from another checkout (``git archive <commit> |
-tar -x -C /tmp/old``) to compare in one session.
+and its time), empty_trajectories (a batch of N ``{}`` trajectories: the 422/413's size and time,
+the growth, the longest concurrent ``GET /v1/runs``). ``--pythonpath`` runs the server from another
+checkout (``git archive <commit> | tar -x -C /tmp/old``) to compare in one session.
 """
 
 from __future__ import annotations
@@ -188,6 +189,23 @@ def filter_groups(groups: int) -> dict:
         return measured(srv, post(srv, "/v1/filter", body)) | {"bytes": len(body)}
 
 
+def empty_trajectories(trajectories: int) -> dict:
+    """A batch of ``trajectories`` empty objects (3 errors each): the answer's size and time, the growth, and
+    the longest ``GET /v1/runs`` meanwhile (issue 29: 333,333 made a 126 MB 422 and +1.4 GB)."""
+    body = b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * trajectories) + b"]}"
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
+        answer: list[httpx.Response] = []
+
+        def send() -> httpx.Response:
+            answer.append(httpx.post(srv.base + "/v1/runs/r/batches", content=body, headers=JSON, timeout=600))
+            return answer[0]
+
+        with others_polling(srv, 600, pause=0.05) as waits:
+            point = measured(srv, send)
+    return point | {"bytes": len(body), "answer_bytes": len(answer[0].content), "others_max_seconds": max(waits)}
+
+
 def methods(requests: int) -> dict:
     with server() as srv, httpx.Client(base_url=srv.base, timeout=60) as http:
         before = len(http.get("/metrics").content)
@@ -343,6 +361,7 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "large_body": ("MB of rollouts", large_body, [2, 4, 8], [1, 2, 4], None),
     "token_ids": ("27 MB token-id batches at once", token_ids, [4], [2], None),
     "anonymous_body": ("MB of malformed JSON", anonymous_body, [30], [8], None),
+    "empty_trajectories": ("{} trajectories", empty_trajectories, [4096, 100_000, 333_333], [1000, 4096, 20_000], None),
 }
 
 

@@ -21,12 +21,14 @@ from starlette.exceptions import HTTPException
 
 from service.access import TokenCache
 from service.api import alerts, batches, matrices, overview, pages, runs, system
+from service.api.bodies import MAX_LISTED_ERRORS, BodyValidationError
 from service.api.middleware import (
     AnswerErrors,
     BodyLimit,
     BodyTooLarge,
     CountRequests,
     NoNulInUrl,
+    OneOfEachHeader,
     RateLimit,
     SameOrigin,
     SecurityHeaders,
@@ -34,7 +36,7 @@ from service.api.middleware import (
 )
 from service.api.rate_limit import BodyBudget
 from service.api.state import AppState
-from service.errors import DatabaseUnavailable, MonitorError, field_path, rejection_reasons
+from service.errors import DatabaseUnavailable, MonitorError, StorageFull, field_path, rejection_reasons
 from service.metrics import (
     SCORING_SECONDS_BUCKETS,
     DiagnosticsCollector,
@@ -45,7 +47,7 @@ from service.metrics import (
 from service.runtime import Background, Loop
 from service.settings import Settings
 from service.storage.alerts import active_alerts, delivery_counts
-from service.storage.database import first_line, make_engine, make_sessions, migrate, outage
+from service.storage.database import STORAGE_FULL, first_line, make_engine, make_sessions, migrate, outage
 from service.storage.points import latest_values
 from service.storage.queue import batch_counts, scoring_stats
 from service.storage.readiness import DatabaseProbe
@@ -134,6 +136,7 @@ def create_app(settings: Settings) -> FastAPI:
     if settings.rate_limit_per_second > 0:
         app.add_middleware(RateLimit, rate=settings.rate_limit_per_second, burst=settings.rate_limit_burst)
     app.add_middleware(TrustedHosts, allowed=settings.trusted_hosts)
+    app.add_middleware(OneOfEachHeader)  # before the host check and the rate limiter read either header
     app.add_middleware(CountRequests)
     app.add_middleware(AnswerErrors)
     app.add_middleware(SecurityHeaders)
@@ -167,14 +170,16 @@ async def _monitor_error(request: Request, error: MonitorError) -> JSONResponse:
 
 async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     request.app.state.monitor.metrics.rejections.labels("validation").inc()
+    errors = error.errors()
+    n_errors = error.n_errors if isinstance(error, BodyValidationError) else len(errors)
     detail = []
-    for e in error.errors():
+    for e in errors[:MAX_LISTED_ERRORS]:
         message, field = e["msg"], field_path(e["loc"]) or "body"
         if e["type"] == "json_invalid":  # its location is a character offset, not a field
             field = "body"
             message = f"{message}: {e.get('ctx', {}).get('error', 'not valid JSON')} (at character {e['loc'][-1]})"
         detail.append({"loc": list(e["loc"]), "field": field, "msg": message, "type": e["type"]})
-    return JSONResponse({"error": "validation", "detail": detail}, status_code=422)
+    return JSONResponse({"error": "validation", "detail": detail, "n_errors": n_errors}, status_code=422)
 
 
 async def _database_error(request: Request, error: exc.SQLAlchemyError) -> JSONResponse:
@@ -184,6 +189,10 @@ async def _database_error(request: Request, error: exc.SQLAlchemyError) -> JSONR
         raise error  # AnswerErrors logs it and answers 500
     cause = getattr(error, "orig", None) or error
     log.warning("%s %s: database %s: %s", request.method, request.url.path, reason, first_line(cause))
+    if reason == STORAGE_FULL:
+        request.app.state.monitor.database_probe.note_storage_full()
+        detail = f"{reason}; nothing of this request was kept. An operator frees space (payload_retention_days)"
+        return await _monitor_error(request, StorageFull(detail))
     detail = f"the database is unavailable ({reason}); retry after the Retry-After header"
     return await _monitor_error(request, DatabaseUnavailable(detail))
 

@@ -13,13 +13,17 @@
     │   ├── NotFound             404  unknown run or batch
     │   ├── Conflict             409  an idempotency_key sent again with different content
     │   │   ├── RunConflict      409  a run name re-created with different settings
-    │   │   └── FigureConflict   409  a trainer figure of a step sent again with another value
+    │   │   ├── FigureConflict   409  a trainer figure of a step sent again with another value
+    │   │   └── StepConflict     409  a matrix step that went back while a later one was stored concurrently
     │   ├── TooLarge             413  body or batch over the configured limits (sizes, scoring cost)
+    │   │   └── StorageQuota     413  a run whose stored payloads would pass ``max_stored_bytes_per_run``
     │   └── TooManyRequests      429  a client over its request rate; retry after ``retry_after`` seconds
     │       ├── RunQueueFull     429  a run with too many batches waiting; retry after ``retry_after``
     │       └── TokenQueueFull   429  the runs of one token with too many batches waiting; likewise
+    ├── StorageFull              507  the database's disk is full: writes refused until space is freed
     └── Unavailable              503  the shared queue is full; retry after ``retry_after`` seconds
         ├── ParsingBusy          503  other bodies being parsed hold ``max_parsing_bytes``; retry shortly
+        ├── ReadsBusy            503  ``SERIES_READERS`` long series reads are being read already; retry shortly
         └── DatabaseUnavailable  503  the database refused, timed out or dropped the connection
 
 Any other exception answers 500 ``internal_error`` in the same shape (``service.api.middleware``).
@@ -125,9 +129,17 @@ class FigureConflict(Conflict):
     code = "figure_conflict"
 
 
+class StepConflict(Conflict):
+    code = "step_conflict"
+
+
 class TooLarge(ClientError):
     status = 413
     code = "too_large"
+
+
+class StorageQuota(TooLarge):
+    code = "storage_quota"
 
 
 @dataclass
@@ -161,6 +173,22 @@ class ParsingBusy(Unavailable):
 
 
 @dataclass
+class ReadsBusy(Unavailable):
+    """Other long series reads hold their share of the database connections; retry shortly."""
+
+    retry_after: int = 1
+    code = "reads_busy"
+
+
+@dataclass
+class StorageFull(MonitorError):
+    """The database's disk is full: nothing of the request was kept; reads still work."""
+
+    status = 507
+    code = "storage_full"
+
+
+@dataclass
 class DatabaseUnavailable(Unavailable):
     """The database cannot be reached or did not answer in time: retryable, nothing of the request kept.
 
@@ -189,7 +217,7 @@ def field_path(loc: Sequence[object]) -> str:
 def rejection_reasons() -> list[str]:
     """Every reason a refusal is counted under, so each series exists (at 0) from the first scrape.
 
-    The codes of the 4xx/503 errors, plus the refusals made outside them: schema validation, a
+    The codes of the 4xx/503/507 errors, plus the refusals made outside them: schema validation, a
     body over the size limit, and the web framework's own (unknown route, wrong method).
     """
     codes = {"validation", "body_too_large", "not_found", "method_not_allowed", "invalid_request"}
@@ -197,6 +225,6 @@ def rejection_reasons() -> list[str]:
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
-        if 400 <= cls.status < 500 or cls.status == 503:
+        if 400 <= cls.status < 500 or cls.status in (503, 507):
             codes.add(cls.code)
     return sorted(codes)

@@ -150,7 +150,8 @@ class Settings(BaseSettings):
     max_parsing_bytes: int = Field(
         64 * 1024 * 1024,
         ge=1024,
-        description="Request body bytes parsed at once, all requests together: parsing holds up to ~9x a body's "
+        description="Request body bytes read and parsed at once, all requests together (a body counts from its "
+        "first byte, by its Content-Length, else as max_body_bytes): parsing holds up to ~9x a body's "
         "size, so this bounds what concurrent large bodies hold. A body past it waits up to 20 s for its turn, "
         "then answers 503 parsing_busy with Retry-After; one larger than this is parsed alone.",
     )
@@ -231,6 +232,34 @@ class Settings(BaseSettings):
         "refused, 400 untrusted_host); '*.example.com' covers subdomains, '*' any host. Empty while binding every "
         "interface (0.0.0.0, ::): any host. /healthz and /readyz answer any host.",
     )
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description="Addresses of the proxies in front whose X-Forwarded-For and X-Forwarded-Proto `serve` trusts "
+        "(uvicorn's forwarded_allow_ips; '*' any). Empty: no proxy headers are read, so the rate limiter keys on "
+        "the address that connected (uvicorn's own default trusts them from 127.0.0.1, where a local client could "
+        "then rotate its address at will).",
+    )
+    max_connections: int = Field(
+        500,
+        ge=1,
+        description="Connections (and requests being handled) `serve` holds at once; a request beyond it answers "
+        "503 at once (uvicorn's limit_concurrency). Keep it below the process's descriptor limit (ulimit -n).",
+    )
+    keep_alive_seconds: int = Field(
+        5, ge=1, description="How long `serve` keeps an idle connection open between requests."
+    )
+    request_head_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="Time a client has to send a request's line and headers, from the connection's opening or the "
+        "end of the previous answer; then `serve` closes the connection (one sending nothing, or a byte a second).",
+    )
+    request_body_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="Time a client has to send a request's whole body once its headers are in (a 32 MiB body then "
+        "needs ~0.3 MB/s); then `serve` closes the connection.",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="Browser origins (scheme://host[:port]) besides the service's own that may send POST, PUT, PATCH "
@@ -241,6 +270,18 @@ class Settings(BaseSettings):
         2.0,
         ge=0,
         description="How long an API process keeps a token lookup; a revoked token stops working within this time.",
+    )
+    max_runs_without_token: int = Field(
+        1000,
+        ge=0,
+        description="Runs that requests without a token (open mode) may create, all together (403 beyond; "
+        "concurrent creations may pass it by a few); 0 turns the limit off.",
+    )
+    max_stored_bytes_per_run: int = Field(
+        10 * 2**30,
+        ge=0,
+        description="Bytes of batch payloads one run may hold stored (accepted and not yet purged by "
+        "payload_retention_days); a batch or matrix beyond it is refused, 413 storage_quota. 0 turns it off.",
     )
     max_runs_per_token: int = Field(
         1000, ge=0, description="Runs one ingest token may create (403 beyond); 0 turns the limit off."

@@ -13,6 +13,11 @@ keep their declared bodies (the OpenAPI document is FastAPI's own) but wrap Fast
 4. FastAPI's handler then finds the parsed model in place of the JSON (``ParsedRequest``); its
    own validation of a model instance returns it as is.
 
+Between the parse and the validation, sizes that would be refused anyway are checked on the
+parsed JSON (``BODY_SIZES``, top-level unknown keys): a 1 MB body of 333,333 empty trajectories
+made pydantic list 10^6 errors, and the 422 renderer a 126 MB answer (+1.4 GB). A 422 lists at
+most ``MAX_LISTED_ERRORS`` errors and counts them all (``BodyValidationError``).
+
 A request holds about 6x a token-id body's size at its peak (``shared_ints``; docs/security.md
 gives the measurement), and its ``BodyBudget`` share until its answer is built.
 """
@@ -22,16 +27,21 @@ from __future__ import annotations
 import codecs
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, AliasPath, BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from service.errors import InvalidRequest
+from service.ingest.limits import check_size
+from service.schemas.inputs import BatchIn, FilterRequest, MatrixBatchIn
+from service.settings import Settings
 
 M = TypeVar("M", bound=BaseModel)
+MAX_LISTED_ERRORS = 20  # a 422 lists this many errors and counts the rest: its size is bounded, not the body's
 MAX_SHARED_INTS = 1 << 18  # distinct numbers one body shares: every vocabulary we know has fewer tokens
 
 
@@ -68,11 +78,102 @@ def checked_text(raw: bytes) -> str:
         raise InvalidRequest(f"the body must be UTF-8 JSON; byte {e.start} is not UTF-8", field="body") from e
 
 
-def parse_body(raw: bytes, model: type[M]) -> M:
+class BodyValidationError(RequestValidationError):
+    """FastAPI's 422 with only the first ``MAX_LISTED_ERRORS`` errors kept, and how many there were."""
+
+    def __init__(self, errors: list[Any], n_errors: int) -> None:
+        super().__init__(errors[:MAX_LISTED_ERRORS])
+        self.n_errors = n_errors
+
+
+@dataclass(frozen=True)
+class ListSize:
+    """A top-level list of a body and the limit on its length, as its handler's 413 words it (``check_size``)."""
+
+    field: str
+    limit: str  # the Settings field
+    what: str
+    unit: str
+
+
+# The lists a handler refuses by length anyway, checked before the model is validated (a 200,000-row
+# matrix took 1.3-3.3 s of a core to validate before its 413). Nested sizes stay with the handlers.
+BODY_SIZES: dict[type[BaseModel], tuple[ListSize, ...]] = {
+    BatchIn: (ListSize("trajectories", "max_trajectories", "a batch", "trajectories"),),
+    MatrixBatchIn: (
+        ListSize("row_group_ids", "max_matrix_rows", "a matrix", "rows (max_matrix_rows)"),
+        ListSize("L_seq", "max_matrix_rows", "a matrix", "rows (max_matrix_rows)"),
+    ),
+    FilterRequest: (ListSize("rewards", "max_filter_groups", "a filter request", "groups (max_filter_groups)"),),
+}
+
+
+def check_rewards(data: dict[str, Any], settings: Settings) -> None:
+    """A filter request's rewards: 413 over ``max_filter_rewards``; 422 when more than ``MAX_LISTED_ERRORS``
+    are not numbers (1,000,000 ``true`` made pydantic build 10^6 errors: 1.9 GB, 10-30 s)."""
+    groups = [g for g in data.get("rewards") or () if isinstance(g, list)]
+    n_rewards = sum(len(g) for g in groups)
+    check_size(n_rewards, settings.max_filter_rewards, "a filter request", "rewards (max_filter_rewards)", "rewards")
+    listed: list[dict[str, Any]] = []
+    n_bad = 0
+    for i, group in enumerate(groups):
+        for j, reward in enumerate(group):
+            if type(reward) not in (int, float):  # strict: a bool is no number
+                n_bad += 1
+                if len(listed) < MAX_LISTED_ERRORS:
+                    listed.append({"type": "float_type", "loc": ("body", "rewards", i, j), "msg": NOT_A_NUMBER})
+    if n_bad > MAX_LISTED_ERRORS:  # fewer: pydantic words them (and any other error) itself
+        raise BodyValidationError(listed, n_bad)
+
+
+NOT_A_NUMBER = "Input should be a valid number"  # pydantic's words
+
+
+# Checks of nested parts, before validation, for the models whose nested items are refused by the million.
+NESTED_CHECKS: dict[type[BaseModel], Callable[[dict[str, Any], Settings], None]] = {FilterRequest: check_rewards}
+
+
+def check_json_sizes(data: Any, model: type[BaseModel], settings: Settings) -> None:
+    """413 for a top-level list over its limit; 422 for top-level keys the model does not know, before
+    pydantic validates anything (it would build one error per unknown key and per bad item)."""
+    if not isinstance(data, dict):
+        return
+    for size in BODY_SIZES.get(model, ()):
+        value = data.get(size.field)
+        if isinstance(value, list):
+            check_size(len(value), getattr(settings, size.limit), size.what, size.unit, size.field)
+    nested = NESTED_CHECKS.get(model)
+    if nested is not None:
+        nested(data, settings)
+    if model.model_config.get("extra") != "forbid":
+        return
+    known = _known_keys(model)
+    unknown = [key for key in data if key not in known]
+    if unknown:
+        errors = [
+            {"type": "extra_forbidden", "loc": ("body", key), "msg": "Extra inputs are not permitted", "input": None}
+            for key in unknown[:MAX_LISTED_ERRORS]
+        ]
+        raise BodyValidationError(errors, len(unknown))
+
+
+def _known_keys(model: type[BaseModel]) -> set[str]:
+    """The top-level keys ``model`` accepts: field names, aliases and every validation alias's first key."""
+    known = set(model.model_fields)
+    for field in model.model_fields.values():
+        choices = field.validation_alias.choices if isinstance(field.validation_alias, AliasChoices) else []
+        for alias in [field.alias, field.validation_alias, *choices]:
+            key = alias.path[0] if isinstance(alias, AliasPath) else alias
+            if isinstance(key, str):
+                known.add(key)
+    return known
+
+
+def parse_body(raw: bytes, model: type[M], settings: Settings) -> M:
     """``raw`` validated as ``model``, refused as FastAPI refuses a declared body (locations under ``body``).
 
     Runs in the thread pool. The text is dropped once parsed, so that it and the parsed objects
-    and their validated copy are not all held at once.
+    and their validated copy are not all held at once. ``check_json_sizes`` first.
     """
     text = checked_text(raw)
     try:
@@ -83,10 +184,12 @@ def parse_body(raw: bytes, model: type[M]) -> M:
     except (RecursionError, ValueError) as e:  # nested too deep, a number of over 4300 digits: FastAPI's 400
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
     del text
+    check_json_sizes(data, model, settings)
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise RequestValidationError([{**d, "loc": ("body", *d["loc"])} for d in e.errors(include_url=False)]) from e
+        listed = e.errors(include_url=False, include_input=False)[:MAX_LISTED_ERRORS]
+        raise BodyValidationError([{**d, "loc": ("body", *d["loc"])} for d in listed], e.error_count()) from e
 
 
 class ParsedRequest(Request):

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.rate_limit import TokenBuckets
@@ -58,6 +59,8 @@ class AnswerErrors(HttpOnly):
 
         try:
             await self.app(scope, receive, watch)
+        except ClientDisconnect:  # the client left (or was closed for its slowness) mid-body: no one to answer
+            log.info("%s %s: the client disconnected before its body was in", scope["method"], scope["path"])
         except Exception:
             error_id = uuid.uuid4().hex[:12]
             log.exception("error %s answering %s %s", error_id, scope["method"], scope["path"])
@@ -99,6 +102,29 @@ class CountRequests(HttpOnly):
             if state is not None:
                 template = getattr(scope.get("route"), "path", "unmatched")
                 state.metrics.requests.labels(method_label(scope["method"]), template, status).inc()
+
+
+# Headers a request may send once: access and the rate limiter must read the same token, the host check the
+# same name (a duplicate was read first-wins by one and last-wins by the other).
+SINGLE_HEADERS = (b"authorization", b"host")
+
+
+class OneOfEachHeader:
+    """Refuses a request that repeats a header of ``SINGLE_HEADERS`` (400 naming it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = [name for name, _ in scope.get("headers", []) if name in SINGLE_HEADERS]
+            for name in SINGLE_HEADERS:
+                if names.count(name) > 1:
+                    header = name.decode().title()
+                    detail = f"the {header} header must be sent once, got {names.count(name)}"
+                    await refuse(scope, send, InvalidRequest(detail, field=header))
+                    return
+        await self.app(scope, receive, send)
 
 
 class NoNulInUrl:
@@ -225,13 +251,23 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 def split_host(host: str) -> tuple[str, str | None]:
-    """A Host header (or an origin's host) as name and port: ``[::1]:8000`` -> ``("[::1]", "8000")``."""
+    """A Host header (or an origin's host) as name and port: ``[::1]:8000`` -> ``("[::1]", "8000")``.
+
+    Only digits make a port: ``localhost:1@evil.example`` is one (unknown) name, not ``localhost``.
+    """
     host = host.strip().lower()
     if host.startswith("["):
         end = host.find("]") + 1
-        return (host[:end], host[end + 1 :] or None) if end else (host, None)
-    name, colon, port = host.partition(":")
-    return (name, port or None) if colon and ":" not in port else (host, None)
+        if not end:
+            return host, None
+        name, rest = host[:end], host[end:]
+    else:
+        name, colon, port = host.partition(":")
+        rest = colon + port
+    if not rest:
+        return name, None
+    port = rest[1:]
+    return (name, port) if rest.startswith(":") and port.isascii() and port.isdigit() else (host, None)
 
 
 def host_name(host: str) -> str:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import csv
 import io
+import tempfile
 from collections.abc import Iterator
-from typing import Annotated
+from typing import IO, Annotated
+from urllib.parse import urlencode
 
 import orjson
 from fastapi import APIRouter, Body, Query, Response, status
 from fastapi.responses import StreamingResponse
 
 from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
-from service.api.state import AppState
+from service.api.state import SERIES_READERS, AppState
+from service.errors import NotFound, ReadsBusy
 from service.ingest import batches, figures, matrices, runs
 from service.schemas.inputs import (
     INT32_MAX,
@@ -76,9 +79,23 @@ def create_run(state: State, access: Caller, body: RunCreate, response: Response
 
 
 @router.get("", dependencies=[ReadsAll])
-def list_runs(state: State) -> list[RunResponse]:
+def list_runs(
+    state: State,
+    response: Response,
+    limit: Annotated[int, Query(ge=1, le=1000, description="Runs per page, in creation order.")] = 1000,
+    after: Annotated[
+        str | None, Query(max_length=200, description="The last run of the previous page (its `Link: rel=next`).")
+    ] = None,
+) -> list[RunResponse]:
+    """The runs, a page of ``limit`` at a time; a full page links to the next one (``Link: <...>; rel="next"``)."""
     with state.sessions() as session:
-        return [runs.run_response(session, run) for run in stored_runs.list_runs(session)]
+        if after is not None and stored_runs.run_by_name(session, after) is None:
+            raise NotFound(f"after must name a run, got {after!r} (deleted since the previous page?)", field="after")
+        found = stored_runs.list_runs(session, limit, after)
+        page = runs.run_responses(session, found)
+    if len(found) == limit:
+        response.headers["Link"] = f'</v1/runs?{urlencode({"limit": limit, "after": found[-1].name})}>; rel="next"'
+    return page
 
 
 @router.get("/{run}", dependencies=[ReadsRun])
@@ -196,8 +213,9 @@ def metric_series(
 ) -> Response | MetricSeries:
     """Stored metric points of a run, ordered by step (JSON, or CSV with ``format=csv``).
 
-    JSON and CSV are streamed as the points are read, a chunk at a time, so a read of up to ``limit``
-    points holds one chunk (a database failure after the first chunk cuts the body short).
+    JSON and CSV are encoded as the points are read, a chunk at a time, into a spool (``_spooled``)
+    sent once the read is over, so no database session waits on a slow client. At most
+    ``SERIES_READERS`` such reads run at once; the others wait their turn, up to 10 s, then 503.
     """
     wanted = [n for n in (names or "").split(",") if n]
     samplers = [s for s in (sampler or "").split(",") if s]
@@ -217,9 +235,46 @@ def metric_series(
     with state.sessions() as session:
         run_id = runs.require_run(session, run).id  # 404 before the body starts
     query = SeriesQuery(run_id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all")
-    if format == "csv":
-        return StreamingResponse(_csv_body(state, query), media_type="text/csv")
-    return StreamingResponse(_json_body(state, run, query), media_type="application/json")
+    if not state.series_reads.acquire(timeout=SERIES_READ_WAIT_SECONDS):
+        raise ReadsBusy(f"{SERIES_READERS} series reads are being read from the database already; retry shortly")
+    try:
+        spooled = _spooled(_csv_body(state, query) if format == "csv" else _json_body(state, run, query))
+    finally:
+        state.series_reads.release()
+    return StreamingResponse(spooled, media_type="text/csv" if format == "csv" else "application/json")
+
+
+SERIES_READ_WAIT_SECONDS = 10.0  # a read waits this long for its turn (SERIES_READERS), then 503 reads_busy
+
+
+SPOOL_MEMORY_BYTES = 8 * 2**20  # an answer's part kept in memory; the rest of it waits in a temporary file
+SPOOL_READ_BYTES = 256 * 1024
+
+
+def _spooled(body: Iterator[bytes] | Iterator[str]) -> Iterator[bytes]:
+    """``body`` written out whole (its database session closed with it), then sent from a temporary file.
+
+    Called in the handler (the thread pool): the series is read and encoded at the database's pace,
+    not the client's. Streamed straight from the cursor, an answer kept its session and pooled
+    connection while the client read it: 16 clients that never read held the whole pool, and every
+    database request, ``/readyz`` too, answered 503 (issue 29). Memory stays bounded (at most
+    ``SPOOL_MEMORY_BYTES`` per answer, the rest on disk).
+    """
+    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115  # closed by the generator below
+    try:
+        for part in body:
+            spool.write(part.encode() if isinstance(part, str) else part)
+        spool.seek(0)
+    except BaseException:
+        spool.close()
+        raise
+    return _sent_from(spool)
+
+
+def _sent_from(spool: IO[bytes]) -> Iterator[bytes]:
+    with spool:
+        while part := spool.read(SPOOL_READ_BYTES):
+            yield part
 
 
 def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]:

@@ -24,6 +24,11 @@ if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
     from service.jobs.scorers import ScorerPool
 
 
+# Series reads (service.api.runs) reading from the database at once: below every pool's size (SQLite 5 + 10,
+# Postgres 10 + 20), so that /readyz, writes and the worker's claims always find a connection.
+SERIES_READERS = 4
+
+
 @dataclass
 class AppState:
     settings: Settings
@@ -37,3 +42,4 @@ class AppState:
     pool: ScorerPool | None = None  # only with an embedded worker
     scorer_ready: threading.Event = field(default_factory=threading.Event)
     scorer_error: str | None = None
+    series_reads: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(SERIES_READERS))

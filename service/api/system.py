@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from scoring.snr_filter import filter_groups
 from service.api.deps import AccessFirst, Caller, ReadsNoRunData, State
 from service.api.state import AppState
-from service.errors import TooLarge
+from service.ingest.limits import check_size
 from service.metrics import EXPORTED, NAMESPACE
 from service.schemas.inputs import FilterRequest, FilterResponse
 from service.schemas.reads import CatalogueEntry, CatalogueResponse
@@ -75,18 +75,9 @@ def snr_filter(state: State, body: FilterRequest) -> FilterResponse:
     A def handler: the work (linear in the rewards) runs in the thread pool, not on the event loop.
     """
     settings = state.settings
-    if len(body.rewards) > settings.max_filter_groups:
-        raise TooLarge(
-            f"a filter request may hold at most {settings.max_filter_groups} groups (max_filter_groups), "
-            f"got {len(body.rewards)}",
-            field="rewards",
-        )
-    n_rewards = sum(len(group) for group in body.rewards)
-    if n_rewards > settings.max_filter_rewards:
-        raise TooLarge(
-            f"a filter request may hold at most {settings.max_filter_rewards} rewards (max_filter_rewards), "
-            f"got {n_rewards}",
-            field="rewards",
-        )
+    check_size(
+        len(body.rewards), settings.max_filter_groups, "a filter request", "groups (max_filter_groups)", "rewards"
+    )
+    # max_filter_rewards: checked on the JSON, before validation (service.api.bodies.check_rewards)
     result = filter_groups(body.rewards, body.filter_config())
     return FilterResponse(**vars(result))

@@ -12,12 +12,19 @@ def run_serve(args: argparse.Namespace) -> Any:
     import uvicorn
 
     from service.app import create_app
+    from service.cli.connections import ConnectionLimits, log_once_per_kind
 
     settings = service_settings(args)
     _configure_logging()
+    log_once_per_kind()
     _check_bind(settings)
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_config=None, access_log=args.access_log
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=args.access_log,
+        **ConnectionLimits.of(settings).uvicorn_options(),
     )
     return None
 

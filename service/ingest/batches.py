@@ -18,7 +18,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from scoring.partition import Extraction
 from service.ingest.figures import record_trainer_figures
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_after_race, replay_of
-from service.ingest.limits import check_batch_limits, check_groups, check_queues, check_scoring_cost, check_token_ids
+from service.ingest.limits import (
+    check_batch_limits,
+    check_groups,
+    check_queues,
+    check_scoring_cost,
+    check_token_ids,
+    store_payload,
+)
 from service.ingest.pace import run_pace
 from service.ingest.runs import require_run, segment_for
 from service.jobs.reasoning import Found, ingest_warnings, reasoning_summary
@@ -81,6 +88,7 @@ def _commit_rollouts(
             checkpoint_id=checkpoint.id if checkpoint else None,
             status="queued",
         )
+        store_payload(session, run.id, len(raw), settings.max_stored_bytes_per_run)
         session.add(batch)
         try:
             session.flush()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.errors import InvalidRequest, RunQueueFull, TokenQueueFull, TooLarge, Unavailable
+from service.errors import InvalidRequest, RunQueueFull, StorageQuota, TokenQueueFull, TooLarge, Unavailable
 from service.schemas.inputs import BatchIn, TurnWithEntropy
 from service.settings import Settings
 from service.snapshot import is_scheduled
@@ -29,6 +30,27 @@ def check_batch_limits(payload: BatchIn, settings: Settings) -> None:
                 ids = getattr(turn, name)
                 if ids is not None:
                     check_size(len(ids), settings.max_token_ids, name, "token ids", f"{where}.{name}", t)
+
+
+def store_payload(session: Session, run_id: int, n_bytes: int, max_stored_bytes: int) -> None:
+    """Counts a new batch's payload against its run's stored bytes; 413 past ``max_stored_bytes`` (0: no limit).
+
+    One UPDATE of the run's row: concurrent ingests of a run queue on it (Postgres) or on the one
+    writer (SQLite), so two cannot both pass the limit; a refusal rolls the count back with the rest.
+    """
+    stored = session.scalar(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(payload_bytes=Run.payload_bytes + n_bytes)
+        .returning(Run.payload_bytes)
+        .execution_options(synchronize_session=False)
+    )
+    if max_stored_bytes and stored is not None and stored > max_stored_bytes:
+        raise StorageQuota(
+            f"the run would hold {stored} bytes of stored payloads, at most {max_stored_bytes} "
+            "(max_stored_bytes_per_run); payload_retention_days purges finished batches' payloads",
+            field="run",
+        )
 
 
 def check_size(size: int, limit: int, what: str, unit: str, field: str, index: int | None = None) -> None:

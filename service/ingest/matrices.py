@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.dependence import DependenceConfig, dependence_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
-from service.errors import Conflict, InvalidRequest, NotFound, Unavailable
+from service.errors import Conflict, InvalidRequest, NotFound, StepConflict, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
-from service.ingest.limits import check_size
+from service.ingest.limits import check_size, store_payload
 from service.ingest.runs import require_run, segment_for
 from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
@@ -24,6 +24,7 @@ from service.schemas.inputs import InputError, MatrixBatchIn
 from service.schemas.results import BatchResult, MatrixAccepted
 from service.settings import Settings
 from service.snapshot import RunSnapshot
+from service.storage import runs
 from service.storage.matrices import MatrixRecord
 from service.storage.points import Point
 from service.storage.tables import Batch
@@ -67,6 +68,7 @@ def ingest_matrix(
         ema = _ema_of(session, run.id, payload.sampler)
     if replay is not None:
         return replay
+    raced = False  # another matrix of the sampler was stored while this one was being scored
     for _ in range(MATRIX_ATTEMPTS):
         started = time.perf_counter()
         scored = score_matrix(payload, ema, run.filter)
@@ -77,6 +79,8 @@ def ingest_matrix(
                     f"run {run_name!r} was deleted and created again while this matrix was scored; send it again",
                     field="run",
                 )
+            if raced:
+                _refuse_concurrent_resume(session, run, payload)
             segment = segment_for(session, run, payload.step, matrix_sampler=payload.sampler)
             replay = _matrix_replay(session, run.id, payload, raw, digest)
             current = _ema_of(session, run.id, payload.sampler)
@@ -93,6 +97,7 @@ def ingest_matrix(
                     digest,
                     status="queued",  # finished below, in this transaction: no worker ever sees it
                 )
+                store_payload(session, run.id, len(raw), settings.max_stored_bytes_per_run)
                 session.add(batch)
                 try:
                     session.flush()
@@ -105,12 +110,30 @@ def ingest_matrix(
                     return MatrixAccepted(**answer.model_dump(), results=scored.result)
         if replay is not None:
             return replay
-        ema = current
+        ema, raced = current, True
     raise Unavailable(
         f"matrices of sampler {payload.sampler!r} of this run arrived concurrently {MATRIX_ATTEMPTS} times while "
         "this one was scored; retry after the Retry-After header (send a sampler's steps one at a time, in order)",
         retry_after=1,
     )
+
+
+def _refuse_concurrent_resume(session: Session, run: RunSnapshot, payload: MatrixBatchIn) -> None:
+    """409 for a matrix whose step went back while a later one of its sampler was stored concurrently.
+
+    Alone, a step going back is a resume (a new segment, ``runs.advance_segment``); while it was
+    in flight, it is most likely two uploaders racing, and a silent new segment would hide the
+    later steps' figures. A resend after this answer is a resume.
+    """
+    newer = runs.newest_matrix_step(session, run.id, payload.sampler)
+    if newer is not None and payload.step < newer:
+        raise StepConflict(
+            f"step {payload.step} of sampler {payload.sampler!r} of run {run.name!r} arrived while step {newer} "
+            "was being stored by another upload: matrices of one sampler must arrive in step order (one uploader, "
+            "or wait for each answer); send it again only if the trainer resumed (a new segment replaces the "
+            "steps from it on)",
+            field="step",
+        )
 
 
 def _ema_of(session: Session, run_id: int, sampler: str) -> EmaState:

@@ -96,18 +96,25 @@ def _answer_within(dbapi_connection: Any, *_: Any, seconds: float) -> None:
         dbapi_connection.answer_seconds = seconds
 
 
+STORAGE_FULL = "storage full: the database's disk has no space left for writes"
+
+
 def outage(error: BaseException) -> str | None:
     """Why ``error`` means the database is unavailable, or None when it is a fault of the query.
 
     Unavailable: refused or dropped connections, connect and statement timeouts, no pooled
-    connection free in time, a locked SQLite file, the server shutting down. A retry later can
-    succeed, so the API answers 503 and the background loops back off and try again.
+    connection free in time, a locked SQLite file, the server shutting down, a full disk
+    (``STORAGE_FULL``, which the API answers 507). A retry later can succeed, so the API answers
+    503 and the background loops back off and try again.
     """
     if isinstance(error, exc.TimeoutError):
         return "timed out: no database connection came free in time"
     if not isinstance(error, exc.DBAPIError):
         return None
     cause = error.orig
+    # SQLite's "database or disk is full" (also past max_page_count); Postgres's disk_full, SQLSTATE 53100.
+    if getattr(cause, "sqlite_errorname", None) == "SQLITE_FULL" or isinstance(cause, psycopg.errors.DiskFull):
+        return STORAGE_FULL
     if isinstance(cause, psycopg.errors.QueryCanceled | psycopg.errors.ConnectionTimeout | NoAnswer):
         return "timed out: the database did not answer in time"
     if getattr(cause, "sqlite_errorname", None) in ("SQLITE_BUSY", "SQLITE_LOCKED"):

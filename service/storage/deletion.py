@@ -6,8 +6,9 @@ Must not import fastapi.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import LargeBinary, cast, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from service.storage.tables import (
@@ -56,6 +57,13 @@ def delete_run(session: Session, run_id: int) -> dict[str, int]:
     return deleted
 
 
+def _bytes_of(session: Session, text: Any) -> Any:
+    """The UTF-8 size of a text column (SQLite's length() counts characters; Postgres has octet_length)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return func.octet_length(text)
+    return func.length(cast(text, LargeBinary))
+
+
 def purge_payloads(session: Session, before: datetime, limit: int) -> tuple[int, int]:
     """Empties the payloads of up to ``limit`` finished batches created before ``before`` and deletes
     their stored matrices; returns (batches, matrices). Queued and scoring batches keep theirs: a
@@ -71,6 +79,13 @@ def purge_payloads(session: Session, before: datetime, limit: int) -> tuple[int,
     )
     if not ids:
         return 0, 0
+    freed = session.execute(
+        select(Batch.run_id, func.sum(_bytes_of(session, Batch.payload)))
+        .where(Batch.id.in_(ids))
+        .group_by(Batch.run_id)
+    ).all()
     matrices = session.execute(delete(ScoreMatrix).where(ScoreMatrix.batch_id.in_(ids)))
     session.execute(update(Batch).where(Batch.id.in_(ids)).values(payload="", payload_purged_at=utcnow()))
+    for run_id, n_bytes in freed:
+        session.execute(update(Run).where(Run.id == run_id).values(payload_bytes=Run.payload_bytes - int(n_bytes or 0)))
     return len(ids), int(matrices.rowcount)  # type: ignore[attr-defined]  # CursorResult of a DELETE

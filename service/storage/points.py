@@ -224,6 +224,8 @@ def driver_cursor(session: Session, query: ClauseElement) -> Iterator[Callable[[
     """
     compiled = query.compile(dialect=session.get_bind().dialect)
     assert isinstance(compiled, SQLCompiler)  # a SELECT compiles to SQL
+    # An expanding IN is written only at execution: its placeholder would reach the driver as SQL.
+    assert not compiled.post_compile_params, "driver_cursor cannot run an expanding IN; write it as plain binds"
     positions = compiled.positiontup  # qmark drivers (sqlite3) take positional parameters
 
     def bind(values: dict[str, Any]) -> Any:

@@ -24,6 +24,15 @@ def batch_counts(session: Session, run_id: int | None = None) -> dict[str, int]:
     return {status: int(n) for status, n in session.execute(query).all()}
 
 
+def batch_counts_of(session: Session, run_ids: Sequence[int]) -> dict[int, dict[str, int]]:
+    """run id -> status -> batches, for the runs ``run_ids`` (one query)."""
+    out: dict[int, dict[str, int]] = {}
+    query = select(Batch.run_id, Batch.status, func.count()).where(Batch.run_id.in_(run_ids))
+    for run_id, status, n in session.execute(query.group_by(Batch.run_id, Batch.status)).all():
+        out.setdefault(int(run_id), {})[status] = int(n)
+    return out
+
+
 def batch_by_key(session: Session, run_id: int, idempotency_key: str) -> Batch | None:
     return session.scalar(select(Batch).where(Batch.run_id == run_id, Batch.idempotency_key == idempotency_key))
 

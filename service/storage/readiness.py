@@ -13,7 +13,9 @@ import time
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from service.storage.database import head_revision, outage
+from service.storage.database import STORAGE_FULL, head_revision, outage
+
+STORAGE_FULL_SECONDS = 60.0  # /readyz reports a full disk this long after the last write it refused
 
 
 class DatabaseProbe:
@@ -25,8 +27,18 @@ class DatabaseProbe:
         self.wait_seconds = wait_seconds
         self._check: asyncio.Future[str] | None = None
         self._started = 0.0
+        self._storage_full_at: float | None = None
+
+    def note_storage_full(self) -> None:
+        """A write was just refused for want of disk space (reads, and so the probe's own, still work)."""
+        self._storage_full_at = time.monotonic()
 
     async def check(self) -> str:
+        if self._storage_full_at is not None:
+            since = time.monotonic() - self._storage_full_at
+            if since < STORAGE_FULL_SECONDS:
+                return f"{STORAGE_FULL} (a write was refused {since:.0f} s ago)"
+            self._storage_full_at = None
         if self._check is None or self._check.done():
             self._check = asyncio.ensure_future(asyncio.to_thread(self._read))
             self._started = time.monotonic()

@@ -20,17 +20,24 @@ def run_by_name(session: Session, name: str) -> Run | None:
     return session.scalar(select(Run).where(Run.name == name))
 
 
-def list_runs(session: Session) -> Sequence[Run]:
-    return session.scalars(select(Run).order_by(Run.id)).all()
+def list_runs(session: Session, limit: int, after: str | None = None) -> Sequence[Run]:
+    """Up to ``limit`` runs in creation order, from the one after the run called ``after`` (keyset pages)."""
+    query = select(Run).order_by(Run.id).limit(limit)
+    if after is not None:
+        query = query.where(Run.id > select(Run.id).where(Run.name == after).scalar_subquery())
+    return session.scalars(query).all()
 
 
-def last_step(session: Session, run_id: int) -> int | None:
-    """The newest step with stored figures in the run's current segment (a matrix's included)."""
-    return session.scalar(
-        select(func.max(LatestMetric.step))
+def last_steps(session: Session, run_ids: Sequence[int]) -> dict[int, int]:
+    """run id -> the newest step with stored figures in the run's current segment (a matrix's included);
+    runs without figures are absent. One query."""
+    rows = session.execute(
+        select(LatestMetric.run_id, func.max(LatestMetric.step))
         .join(Run, Run.id == LatestMetric.run_id)
-        .where(LatestMetric.run_id == run_id, LatestMetric.segment == Run.segment)
-    )
+        .where(LatestMetric.run_id.in_(run_ids), LatestMetric.segment == Run.segment)
+        .group_by(LatestMetric.run_id)
+    ).all()
+    return {int(run_id): int(step) for run_id, step in rows}
 
 
 def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> int | None:
@@ -48,16 +55,7 @@ def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler:
     if matrix_sampler is None:
         resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
     else:
-        newest = (
-            select(func.max(LatestMetric.step))
-            .where(
-                LatestMetric.run_id == Run.id,
-                LatestMetric.sampler == matrix_sampler,
-                LatestMetric.segment == Run.segment,
-            )
-            .scalar_subquery()
-        )
-        resumes = step < newest  # NULL (not a resume) before the sampler's first figures of the segment
+        resumes = step < _newest_of(matrix_sampler)  # NULL (not a resume) before the sampler's first figures
     segment = session.scalar(
         update(Run)
         .where(Run.id == run_id)
@@ -69,6 +67,20 @@ def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler:
         .execution_options(synchronize_session=False)
     )
     return int(segment) if segment is not None else None
+
+
+def _newest_of(sampler: str) -> Any:
+    """The newest step of ``sampler``'s figures in the run's current segment, correlated with ``Run``."""
+    return (
+        select(func.max(LatestMetric.step))
+        .where(LatestMetric.run_id == Run.id, LatestMetric.sampler == sampler, LatestMetric.segment == Run.segment)
+        .scalar_subquery()
+    )
+
+
+def newest_matrix_step(session: Session, run_id: int, sampler: str) -> int | None:
+    """The newest step of ``sampler``'s figures in the run's current segment (what a matrix is compared with)."""
+    return session.scalar(select(_newest_of(sampler)).where(Run.id == run_id))
 
 
 def newest_step(column: Any, step: int) -> Any:
@@ -97,7 +109,9 @@ def _visible(ends: dict[int, int]) -> Any:
     if not ends:
         return true()
     superseded = [and_(MetricPoint.segment == g, MetricPoint.step < end) for g, end in ends.items()]
-    return or_(MetricPoint.segment.not_in(list(ends)), *superseded)
+    # One != per segment, not NOT IN: an expanding IN is filled in only at execution, which
+    # points.driver_cursor (a statement compiled once to a string) bypasses.
+    return or_(and_(*(MetricPoint.segment != g for g in ends)), *superseded)
 
 
 def record_scorer_limits(session: Session, name: str, vocab_size: int, max_positions: int | None) -> None:

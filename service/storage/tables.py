@@ -66,6 +66,8 @@ class Run(Base):
     # are revoked, never deleted, and SQLite could not add one without rebuilding this table.
     created_by_token: Mapped[int | None] = mapped_column(Integer)
     last_claimed_at: Mapped[datetime | None] = mapped_column()  # workers serve the least recently claimed run first
+    # Bytes of the run's stored batch payloads (accepted minus purged): max_stored_bytes_per_run bounds it.
+    payload_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Checkpoint(Base):

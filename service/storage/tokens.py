@@ -41,12 +41,13 @@ def active_token_count(session: Session) -> int:
     return int(session.scalar(select(func.count()).select_from(ApiToken).where(ApiToken.revoked_at.is_(None))) or 0)
 
 
-def runs_created_by(session: Session, token_id: int, *, lock: bool = False) -> int:
-    """Runs the token created; with ``lock`` the token's row is locked first (Postgres), so that
-    concurrent creations with one token count one after the other."""
-    if lock and session.get_bind().dialect.name == "postgresql":
+def runs_created_by(session: Session, token_id: int | None, *, lock: bool = False) -> int:
+    """Runs the token created (None: created without one); with ``lock`` the token's row is locked first
+    (Postgres), so that concurrent creations with one token count one after the other."""
+    if lock and token_id is not None and session.get_bind().dialect.name == "postgresql":
         session.execute(select(ApiToken.id).where(ApiToken.id == token_id).with_for_update())
-    return int(session.scalar(select(func.count()).select_from(Run).where(Run.created_by_token == token_id)) or 0)
+    creator = Run.created_by_token.is_(None) if token_id is None else Run.created_by_token == token_id
+    return int(session.scalar(select(func.count()).select_from(Run).where(creator)) or 0)
 
 
 def is_last_admin(session: Session, token_id: int) -> bool:

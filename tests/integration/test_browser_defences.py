@@ -40,6 +40,22 @@ def test_a_rebound_host_name_is_refused_before_any_read_or_write(client):
     assert rejections(client)["untrusted_host"] == 4
 
 
+def test_a_host_with_a_made_up_port_is_refused_as_a_whole(client):
+    refused = client.get("/v1/runs", headers={"host": "localhost:1@evil.example"})
+    assert refused.status_code == 400
+    assert refused.json()["field"] == "Host"
+    assert "'localhost:1@evil.example'" in refused.json()["detail"]
+
+
+def test_a_repeated_authorization_or_host_header_is_refused_400_naming_it(client):
+    for name, value in (("authorization", "Bearer a"), ("host", "localhost")):
+        refused = client.get("/v1/runs", headers=[(name, value), (name, value)])
+        assert refused.status_code == 400, name
+        assert refused.json() == error_body(
+            "invalid_request", f"the {name.title()} header must be sent once, got 2", field=name.title()
+        )
+
+
 def test_allowed_hosts_add_names_and_a_wildcard_bind_answers_any(tmp_path, client_for):
     url = f"sqlite:///{tmp_path / 'm.db'}"
     named = client_for(url, scoring_paused=True, allowed_hosts=["monitor.example.org", "*.internal"])

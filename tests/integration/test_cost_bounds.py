@@ -10,12 +10,15 @@ import json
 import threading
 import tracemalloc
 import uuid
+from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import event, func, insert, select, update
 
-from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix
+from service.storage import deletion
+from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix, utcnow
 from tests.fixtures import dependence_matrix, error_body, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
@@ -80,6 +83,39 @@ def test_a_matrix_at_the_row_limit_costs_about_ten_times_its_body(client):
     # Measured 9-17x on a 0.4-28 MB body (a few MB of it fixed: the bootstrap's chunk, the parse);
     # drawing all 1000 x R resamples at once took 260 MB here.
     assert peak < 20 * len(raw) + 8 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(raw) / 2**20:.1f} MiB body"
+
+
+def post_measured(client, path: str, raw: bytes):
+    tracemalloc.start()  # the app runs in this process
+    try:
+        response = client.post(path, content=raw, headers=JSON)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(response.content) < 64 * 1024, f"a {len(response.content)}-byte answer"
+    # The old server answered these with 126 MB and grew by 1.4 GB (~1,400x the body). What is left is
+    # json.loads: a 3-byte `{}` parses to a 64-byte dict (~25x), a 5-byte `true` to an 8-byte list slot.
+    assert peak < 30 * len(raw) + 8 * 2**20, f"peak {peak / 2**20:.0f} MiB for a {len(raw) / 2**20:.1f} MiB body"
+    return response
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "status", "n_errors"),
+    [
+        ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 333_333) + b"]}", 413, None),
+        ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 4096) + b"]}", 422, 3 * 4096),
+        ("/v1/filter", b'{"rewards": [[' + b",".join([b"true"] * 1_000_000) + b"]]}", 422, 1_000_000),
+        ("/v1/runs", b'{"name": "u", ' + b",".join(b'"k%d": 0' % i for i in range(1_000_000)) + b"}", 422, 1_000_000),
+    ],
+    ids=["333333-empty-trajectories", "4096-empty-trajectories", "1M-true-rewards", "1M-unknown-keys"],
+)
+def test_a_body_of_a_million_errors_is_answered_small_with_bounded_memory(client, path, raw, status, n_errors):
+    response = post_measured(client, path, raw)
+    assert response.status_code == status, response.text[:500]
+    if n_errors is not None:
+        assert response.json()["n_errors"] == n_errors
+        assert len(response.json()["detail"]) == 20
+    assert count(client, Batch) == 0
 
 
 def test_filter_requests_over_their_group_and_reward_limits_are_refused_413(client):
@@ -232,3 +268,70 @@ def test_the_heatmap_excerpts_are_stored_at_scoring_time_under_the_runs_extracti
     for prompt in body["per_prompt"]:
         assert prompt["excerpts"], prompt
         assert all(e == f"Group {prompt['group_id']} plan without tags." for e in prompt["excerpts"])
+
+
+def test_a_run_past_its_stored_bytes_is_refused_413_until_retention_frees_them(database_url, client_for):
+    """Issue 29 row 7: 100 off-schedule batches of 3.1 MB were all accepted (+382 MB), bounded by nothing."""
+    bodies = {step: json.dumps(dependence_matrix(step, 1.0) | {"sampler": "matrix"}).encode() for step in (1, 2, 3)}
+    client = client_for(database_url, scoring_paused=True, max_stored_bytes_per_run=int(2.5 * len(bodies[1])))
+    client.post("/v1/runs", json={"name": "r"})
+
+    def upload(step: int):
+        return client.post("/v1/runs/r/matrices", content=bodies[step], headers=JSON)
+
+    assert [upload(step).status_code for step in (1, 2)] == [201, 201]
+    refused = upload(3)
+    assert refused.status_code == 413
+    assert refused.json()["error"] == "storage_quota"
+    assert refused.json()["field"] == "run"
+    assert "(max_stored_bytes_per_run)" in refused.json()["detail"]
+    assert count(client, Batch) == 2
+    with client.app.state.monitor.sessions.begin() as session:
+        assert session.scalar(select(Run.payload_bytes)) == len(bodies[1]) + len(bodies[2])
+        deletion.purge_payloads(session, utcnow() + timedelta(days=1), 1)  # retention purges the oldest
+        assert session.scalar(select(Run.payload_bytes)) == len(bodies[2])
+    assert upload(3).status_code == 201
+
+
+def statements_of(client, request) -> tuple[int, Any]:
+    """How many SQL reads ``request()`` ran on the app's engine, and its answer."""
+    seen: list[str] = []
+
+    def count_one(_conn, _cursor, statement, *_args) -> None:
+        if " FROM " in statement.upper().replace("\n", " "):  # not the pool's ping (Postgres) or a ROLLBACK
+            seen.append(statement)
+
+    engine = client.app.state.monitor.engine
+    event.listen(engine, "before_cursor_execute", count_one)
+    try:
+        answer = request()
+    finally:
+        event.remove(engine, "before_cursor_execute", count_one)
+    return len(seen), answer
+
+
+def test_the_run_list_takes_the_same_few_queries_for_3_or_30_runs_a_page_at_a_time(client):
+    """Issue 29 row 5: ~3 queries a run made a list of 10,000 runs take 12-28 s."""
+    for i in range(2):
+        assert (
+            client.post("/v1/runs/r/matrices", json=dependence_matrix(i + 1, 1.0) | {"batch_id": f"m{i}"}).status_code
+            == 201
+        )
+    for i in range(2):
+        client.post("/v1/runs", json={"name": f"x{i:02d}"})
+    few, answer = statements_of(client, lambda: client.get("/v1/runs"))
+    assert len(answer.json()) == 3
+    for i in range(2, 29):
+        client.post("/v1/runs", json={"name": f"x{i:02d}"})
+    many, answer = statements_of(client, lambda: client.get("/v1/runs"))
+    assert len(answer.json()) == 30
+    assert many == few <= 6, (few, many)
+    assert answer.json()[0]["last_step"] == 2
+    assert answer.json()[0]["batches"] == {"done": 2}
+    names, url = [], "/v1/runs?limit=12"
+    while url:
+        page = client.get(url)
+        names += [r["name"] for r in page.json()]
+        url = page.links.get("next", {}).get("url")
+    assert names == [r["name"] for r in answer.json()]
+    assert client.get("/v1/runs", params={"after": "gone"}).status_code == 404

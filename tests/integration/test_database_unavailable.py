@@ -11,12 +11,13 @@ import socket
 import sqlite3
 import time
 
+import psycopg
 import pytest
-from sqlalchemy import exc, text
+from sqlalchemy import event, exc, text
 
 from service.loops import retry_through_outage
-from service.storage.database import make_engine, outage
-from tests.fixtures import error_body
+from service.storage.database import STORAGE_FULL, make_engine, outage
+from tests.fixtures import error_body, trajectories
 
 pytestmark = pytest.mark.integration
 
@@ -118,3 +119,43 @@ def closed_port() -> int:
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_full_sqlite_disk_answers_507_storage_full_and_readyz_says_so(client_for, tmp_path):
+    """Issue 29 row 9: a full volume answered 503 "unreachable" and /readyz said the database was ok.
+
+    SQLite's own SQLITE_FULL ("database or disk is full"), as on a full volume: the file may not grow
+    past the pages it holds (``max_page_count``, set on every connection of the app's engine).
+    """
+    client = client_for(f"sqlite:///{tmp_path / 'monitor.db'}", scoring_paused=True)
+    assert client.post("/v1/runs", json={"name": "r"}).status_code == 201
+    engine = client.app.state.monitor.engine
+    with engine.connect() as connection:
+        pages = connection.exec_driver_sql("PRAGMA page_count").scalar()
+
+    def cap(dbapi_connection, _record) -> None:
+        dbapi_connection.execute(f"PRAGMA max_page_count = {pages}")
+
+    event.listen(engine, "connect", cap)
+    engine.dispose()  # the pooled connections go; new ones get the cap
+    big = {
+        "step": 1,
+        "trajectories": [t | {"turns": [{"prompt": "p" * 50_000, "response": "r"}]} for t in trajectories(2, 2, 1)],
+    }
+    refused = client.post("/v1/runs/r/batches", json=big)
+    assert refused.status_code == 507, refused.text
+    assert refused.json()["error"] == "storage_full"
+    assert refused.json()["detail"].startswith("storage full: the database's disk has no space left for writes")
+    ready = client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["database"].startswith("storage full")
+    assert client.get("/v1/runs/r").status_code == 200  # reads still work
+    assert sum(client.get("/v1/runs/r").json()["batches"].values()) == 0  # nothing of it was kept
+
+
+def test_postgres_disk_full_is_storage_full():
+    """SQLSTATE 53100 from psycopg, as SQLAlchemy wraps it."""
+    error = exc.OperationalError(
+        "INSERT", {}, psycopg.errors.DiskFull("could not extend file: No space left on device")
+    )
+    assert outage(error) == STORAGE_FULL

@@ -75,6 +75,7 @@ def test_an_authorised_body_gets_the_same_answers_as_before(guarded):
                 "type": "json_invalid",
             }
         ],
+        "n_errors": 1,
     }
     missing = client.post(
         "/v1/runs/r/batches", json={"step": 1, "trajectories": [{"group_id": 0, "reward": 1}]}, headers=auth

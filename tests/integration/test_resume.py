@@ -7,6 +7,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.ingest import matrices
 from service.storage import queue
 from service.storage.tables import Batch
 from tests.fixtures import dependence_matrix, trajectories, wait_for
@@ -138,3 +139,52 @@ def test_a_matrix_under_its_own_sampler_never_starts_a_segment_for_the_rollouts(
     near = dependence_matrix(5, 2.0) | {"sampler": "custom", "batch_id": "near"}
     assert segment_of(client.post("/v1/runs/mixed/matrices", json=near).json()["batch_id"]) == 1
     assert segment_of(rollouts(5)) == 1
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "columns"])
+@pytest.mark.parametrize("segments", ["current", "all"])
+def test_every_read_format_draws_a_run_whose_steps_went_back(client, fmt, segments):
+    feed(client, [2.0] * 6)  # steps 1..6
+    feed(client, [0.5], start=3, key="b")  # step 3 again, other values: a resume
+    params = {"names": "mi_estimate", "sampler": "matrix", "format": fmt, "segments": segments}
+    response = client.get("/v1/runs/r/metrics", params=params)
+    assert response.status_code == 200, response.text
+    wanted = [1, 2, 3] if segments == "current" else [1, 2, 3, 3, 4, 5, 6]
+    if fmt == "columns":
+        (column,) = response.json()["series"]
+        assert column["steps"] == wanted
+    elif fmt == "csv":
+        assert [int(line.split(",")[0]) for line in response.text.splitlines()[1:]] == wanted
+    else:
+        assert [p["step"] for p in response.json()["points"]] == wanted
+
+
+def test_a_matrix_step_that_went_back_while_a_later_one_was_stored_is_refused_naming_the_step(
+    database_url, client_for, monkeypatch
+):
+    first = client_for(database_url, scoring_paused=True)
+    second = client_for(database_url, scoring_paused=True)  # another uploader, another process
+    assert first.post("/v1/runs", json={"name": "r"}).status_code == 201
+    feed(first, [2.0] * 3)  # steps 1..3
+    real_score = matrices.score_matrix
+    uploaded: list[int] = []
+
+    def score_while_step_5_arrives(payload, *args, **kwargs):
+        if payload.step == 4 and not uploaded:  # the other uploader's step 5 lands while step 4 is being scored
+            body = dependence_matrix(5, 2.0) | {"sampler": "matrix", "batch_id": "other-5"}
+            uploaded.append(second.post("/v1/runs/r/matrices", json=body).status_code)
+        return real_score(payload, *args, **kwargs)
+
+    monkeypatch.setattr(matrices, "score_matrix", score_while_step_5_arrives)
+    step_4 = dependence_matrix(4, 2.0) | {"sampler": "matrix", "batch_id": "a-4"}
+    refused = first.post("/v1/runs/r/matrices", json=step_4)
+    assert uploaded == [201]
+    assert refused.status_code == 409
+    assert refused.json()["error"] == "step_conflict"
+    assert refused.json()["field"] == "step"
+    assert "step 4 of sampler 'matrix'" in refused.json()["detail"]
+    assert "step 5" in refused.json()["detail"]
+    assert [(p["step"], p["segment"]) for p in series(first)] == [(1, 0), (2, 0), (3, 0), (5, 0)]  # no new segment
+    # Sent again on its own, a step that goes back is a resume.
+    assert first.post("/v1/runs/r/matrices", json=step_4).status_code == 201
+    assert [(p["step"], p["segment"]) for p in series(first)] == [(1, 0), (2, 0), (3, 0), (4, 1)]

@@ -10,10 +10,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from service.api.bodies import MAX_SHARED_INTS, parse_body, shared_ints
+from service.api.bodies import MAX_LISTED_ERRORS, MAX_SHARED_INTS, BodyValidationError, parse_body, shared_ints
 from service.api.deps import AccessFirst, WritesRun
-from service.errors import InvalidRequest
-from service.schemas.inputs import BatchIn
+from service.errors import InvalidRequest, TooLarge
+from service.schemas.inputs import BatchIn, FilterRequest, RunCreate
+from service.settings import Settings
+
+SETTINGS = Settings(_env_file=None)
 
 
 class Ids(BaseModel):
@@ -22,7 +25,7 @@ class Ids(BaseModel):
 
 def test_numbers_are_shared_by_value_and_the_values_are_json_s():
     body = json.dumps({"ids": [70_000, 70_000, 123_456, 70_000, -5, 0]}).encode()
-    parsed = parse_body(body, Ids)
+    parsed = parse_body(body, Ids, SETTINGS)
     assert parsed.ids == json.loads(body)["ids"]
     assert parsed.ids[0] is parsed.ids[1] is parsed.ids[3]  # one int object per distinct number
 
@@ -37,7 +40,7 @@ def test_at_most_max_shared_ints_are_kept():
 
 def test_refusals_are_fastapis_own_under_body():
     with pytest.raises(RequestValidationError) as invalid_json:
-        parse_body(b'{"step": 1,', BatchIn)
+        parse_body(b'{"step": 1,', BatchIn, SETTINGS)
     assert invalid_json.value.errors() == [
         {
             "type": "json_invalid",
@@ -48,14 +51,14 @@ def test_refusals_are_fastapis_own_under_body():
         }
     ]
     with pytest.raises(RequestValidationError) as invalid:
-        parse_body(b'{"step": -1, "trajectories": []}', BatchIn)
+        parse_body(b'{"step": -1, "trajectories": []}', BatchIn, SETTINGS)
     assert [e["loc"] for e in invalid.value.errors()] == [("body", "step"), ("body", "trajectories")]
     with pytest.raises(HTTPException, match="There was an error parsing the body"):
-        parse_body(b"[" * 100_000, BatchIn)
+        parse_body(b"[" * 100_000, BatchIn, SETTINGS)
     with pytest.raises(InvalidRequest, match="byte order mark"):
-        parse_body(b"\xef\xbb\xbf{}", BatchIn)
+        parse_body(b"\xef\xbb\xbf{}", BatchIn, SETTINGS)
     with pytest.raises(InvalidRequest, match="byte 9 is not UTF-8"):
-        parse_body(b'{"step": \xff}', BatchIn)
+        parse_body(b'{"step": \xff}', BatchIn, SETTINGS)
 
 
 def test_a_body_route_without_an_access_check_is_refused_when_declared():
@@ -73,3 +76,25 @@ def test_a_body_route_without_an_access_check_is_refused_when_declared():
     @router.get("/v1/runs/{run}/things")
     def no_body(run: str) -> None:  # pragma: no cover - only declared
         pass
+
+
+def test_a_list_over_its_limit_is_refused_413_before_validation():
+    body = b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 333_333) + b"]}"
+    with pytest.raises(TooLarge, match="a batch may hold at most 4096 trajectories, got 333333"):
+        parse_body(body, BatchIn, SETTINGS)
+    rewards = json.dumps({"rewards": [[1.0]] * 10_001}).encode()
+    with pytest.raises(TooLarge, match=r"at most 10000 groups \(max_filter_groups\), got 10001"):
+        parse_body(rewards, FilterRequest, SETTINGS)
+
+
+def test_a_422_lists_the_first_errors_and_counts_them_all():
+    body = b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 4096) + b"]}"
+    with pytest.raises(BodyValidationError) as invalid:
+        parse_body(body, BatchIn, SETTINGS)
+    assert len(invalid.value.errors()) == MAX_LISTED_ERRORS
+    assert invalid.value.n_errors == 3 * 4096  # group_id, reward and turns missing from each
+    unknown = json.dumps({"name": "r"} | {f"k{i}": 0 for i in range(100_000)}).encode()
+    with pytest.raises(BodyValidationError) as extra:
+        parse_body(unknown, RunCreate, SETTINGS)
+    assert extra.value.n_errors == 100_000
+    assert [e["loc"] for e in extra.value.errors()] == [("body", f"k{i}") for i in range(MAX_LISTED_ERRORS)]

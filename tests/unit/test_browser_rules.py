@@ -18,6 +18,9 @@ from service.settings import Settings
         ("[::1]", "[::1]"),
         ("127.0.0.1", "127.0.0.1"),
         ("", ""),
+        ("localhost:1@evil.example", "localhost:1@evil.example"),  # no port: the whole value is the name
+        ("localhost:80x", "localhost:80x"),
+        ("[::1]:8000@evil.example", "[::1]:8000@evil.example"),
     ],
 )
 def test_the_name_of_a_host_header_drops_its_port(host, name):
