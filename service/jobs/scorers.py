@@ -18,7 +18,7 @@ from service.errors import InvalidRequest
 from service.jobs.budget import ScoringRates
 from service.jobs.checkpoints import checkpoint_at_load
 from service.jobs.interrupts import ScorerUnavailable
-from service.jobs.vllm import AnyScorer, load_vllm_scorer
+from service.jobs.vllm import AnyScorer, VllmScorer, load_vllm_scorer
 from service.settings import Settings, VllmEndpoint
 
 Key = tuple[str, str | None]  # (scorer name, "kind:checkpoint folder" or None)
@@ -66,6 +66,13 @@ class ScorerPool:
                 while len(self._loaded) > self.settings.max_loaded_scorers:
                     self._loaded.popitem(last=False)
             return scorer
+
+    def close(self) -> None:
+        """Closes the HTTP connections of the vLLM scorers loaded (the models of the others go with the pool)."""
+        with self._lock:
+            for scorer in self._loaded.values():
+                if isinstance(scorer, VllmScorer):
+                    scorer.close()
 
     def loaded(self) -> list[str]:
         with self._lock:

@@ -211,7 +211,11 @@ def load_vllm_scorer(
     from scoring.models import load_tokenizer
 
     scorer = VllmScorer(name, endpoint, load_tokenizer(endpoint.tokenizer, cache_dir), client, transport)
-    scorer.connect()
+    try:
+        scorer.connect()
+    except BaseException:
+        scorer.close()
+        raise
     return scorer
 
 

@@ -96,7 +96,8 @@ class Worker:
             self.close()
 
     def close(self) -> None:
-        """Gives up this worker's name (a later worker of this host may take it)."""
+        """Gives up this worker's name (a later worker of this host may take it) and its scorers' connections."""
+        self.pool.close()
         if self._slot is not None:
             os.close(self._slot)
             self._slot = None
