@@ -149,6 +149,8 @@ def test_the_service_scores_a_run_end_to_end_through_vllm(postgres_url, client_f
     assert "mi_estimate" in metrics
     assert "mi_head_estimate" in metrics
     assert "token_entropy_mean" not in metrics  # vLLM gives no full distribution
+    # The run page's step view shows what scored it.
+    assert client.get("/v1/runs/r/matrix").json()["scored_by"] == status["results"]["scored_by"]
 
 
 def test_a_server_killed_mid_batch_leaves_the_batch_to_be_retried_and_scored_once(
