@@ -15,7 +15,8 @@ from tests.vllm.server import VllmServer, environment_missing, free_port
 BUILD_WAIT_SECONDS = 900.0
 
 
-@pytest.fixture(scope="session")
+# Module-scoped: vLLM's CPU engine keeps its threads busy while idle, so it must not outlive its tests.
+@pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory) -> Iterator[VllmServer]:
     missing = environment_missing(BUILD_WAIT_SECONDS)
     if missing is not None:
