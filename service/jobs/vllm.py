@@ -55,8 +55,6 @@ REQUEST_BACKOFF = Backoff(first_seconds=0.5, max_seconds=8.0, jitter=0.25)
 class VllmScorer:
     """A scorer served by vLLM; the same surface as ``scoring.Scorer`` where the worker reads it."""
 
-    engine = "vllm"
-
     def __init__(
         self,
         name: str,
@@ -78,10 +76,6 @@ class VllmScorer:
     def encode(self, text: str) -> Tokens:
         """Token ids of ``text`` without special tokens (``scoring.Scorer.encode``)."""
         return tuple(int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    @property
-    def dtype_name(self) -> str:
-        return self.endpoint.dtype
 
     def connect(self) -> None:
         """Checks that the server serves ``endpoint.model`` and tokenizes as our tokenizer does.
