@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="bench/cross_scoring.py's halved shapes")
     parser.add_argument("--concurrency", type=int, default=4, help="vLLM requests in flight")
     parser.add_argument("--request-tokens", type=int, default=16384, help="prompt tokens per vLLM request")
+    parser.add_argument("--server-logs", type=Path, help="keep each server's log here (default: a temporary folder)")
     args = parser.parse_args()
     missing = environment_missing()
     if missing is not None:
@@ -80,7 +81,10 @@ def main() -> None:
             rows[shape] |= {"columns": batch.n_columns, "minimal_tokens": minimal_tokens(batch)}
             rows[shape]["kernel"] = measure(kernel, batch, expected[shape])
         del kernel
-        with tempfile.TemporaryDirectory() as folder, running(dtype, Path(folder) / "vllm.log") as server:
+        with (
+            tempfile.TemporaryDirectory() as folder,
+            running(dtype, (args.server_logs or Path(folder)) / f"vllm-{dtype}.log") as server,
+        ):
             endpoint = VllmEndpoint.parse(server.spec)
             assert endpoint is not None
             remote = load_vllm_scorer(server.spec, endpoint, CACHE, client)
