@@ -25,8 +25,8 @@ READY = VENV / ".ready"  # written by scripts/vllm-env once the environment impo
 LOCK = ROOT / ".cache" / "vllm-env.lock"  # held by scripts/vllm-env while it builds
 CACHE = Path("~/.cache/collapse-monitor").expanduser()
 SERVED_NAME = "smollm2"
-# On 2 cores vLLM's CPU backend was healthy in ~50 s; a busy machine (CI's other tiers) takes longer.
-START_SECONDS = 300.0
+# On 2 quiet cores vLLM's CPU backend was healthy in ~50 s; at load 7-10 its imports alone took 5 minutes.
+START_SECONDS = 600.0
 
 
 def environment_missing(wait_seconds: float = 0.0) -> str | None:
