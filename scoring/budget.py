@@ -63,6 +63,23 @@ def batch_cost(batch: ScoringBatch) -> BatchCost:
     return BatchCost(tokens=tokens, length=length)
 
 
+def pair_cost(batch: ScoringBatch) -> BatchCost:
+    """The cost of ``batch`` to a scorer that runs every (prompt, reasoning) pair whole (a vLLM server).
+
+    ``tokens = sum over distinct prompts u and rows r with T_r >= 1 of (|x_u| + T_r)``: each pair
+    re-prefills its prompt (vLLM computes prompt log-probs without its prefix cache). ``length`` is
+    the mean pair length, weighted by tokens. Naive equivalent: the ``tokens_processed`` of
+    ``service.jobs.vllm``'s scoring of ``batch``.
+    """
+    prompts = list(dict.fromkeys(batch.column_prompts))
+    lengths = [len(p) + len(z) for p in prompts for z in batch.reasonings if z]
+    tokens = sum(lengths)
+    return BatchCost(tokens=tokens, length=sum(n * n for n in lengths) / tokens if tokens else 0.0)
+
+
+CostModel = Callable[[ScoringBatch], BatchCost]
+
+
 def _bucket(length: float) -> int:
     """Sequence lengths up to 2^b share bucket b."""
     return max(0, math.ceil(math.log2(max(length, 1.0))))
@@ -169,6 +186,7 @@ def plan_batch(
     max_positions: int | None,
     *,
     keeps_columns: bool = True,
+    cost_of: CostModel = batch_cost,
 ) -> tuple[Plan, ScoringBatch, WindowCut]:
     """The largest part of ``batch`` predicted to score within ``budget_seconds``, windowed as the kernel takes it.
 
@@ -176,7 +194,8 @@ def plan_batch(
     ``keeps_columns`` (every prompt keeps a row: the columns are the inputs MI is about), else
     ``min(R, MIN_PLANNED_ROWS)`` (a sampler whose every row is its own column); then a shorter
     reasoning window, down to ``MIN_PLANNED_WINDOW``. Each is the largest value bisection finds
-    within the budget. When even both floors are predicted past it, the floors are planned and
+    within the budget, a part's cost from ``cost_of`` (the scorer's: ``batch_cost`` for the kernel,
+    ``pair_cost`` for vLLM). When even both floors are predicted past it, the floors are planned and
     ``is_within_budget`` is False: a step is never failed for its budget. Deterministic: the same
     batch, throughput and budget give the same plan.
 
@@ -189,7 +208,7 @@ def plan_batch(
     def planned(k: int, window: int | None) -> tuple[tuple[int, ...], ScoringBatch, WindowCut, BatchCost]:
         rows = tuple(sorted(priority[:k]))
         fitted, cut = fit_window(batch if k == n_rows else subset(batch, rows), window, max_positions)
-        return rows, fitted, cut, batch_cost(fitted)
+        return rows, fitted, cut, cost_of(fitted)
 
     def fits(k: int, window: int | None) -> bool:
         seconds = throughput.predict_seconds(planned(k, window)[3])

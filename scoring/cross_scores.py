@@ -49,7 +49,8 @@ class CrossScores:
         L_seq: [R, N] float64, sum over z_r's tokens of log p(token | x_j, earlier tokens).
         reasoning_lengths: [R] int64, T_r.
         token_entropy: R arrays of [T_r] float64: entropy of the full next-token distribution at
-            each reasoning position of the matched pair (row r under its own prompt).
+            each reasoning position of the matched pair (row r under its own prompt); empty arrays
+            from a scorer that never sees the full distribution (``pair_scores``: vLLM).
         tokens_processed: tokens that went through the model (padding excluded).
         L_head: per head budget k (``ScoringConfig.head_tokens``), [R, N] float64: the sum over
             z_r's first min(T_r, k) tokens only.
@@ -102,6 +103,57 @@ def score_batch(
         token_entropy=tuple(run.entropy),
         tokens_processed=run.tokens_processed,
         L_head={k: L[:, prompt_of_column] for k, L in run.L_head.items()},
+    )
+
+
+def scored_pairs(batch: ScoringBatch) -> tuple[list[Tokens], list[tuple[int, int]]]:
+    """The distinct prompts of ``batch`` and the (prompt index, row) pairs a per-pair scorer runs.
+
+    Every row with at least one reasoning token, under every distinct prompt: ``[x_u ; z_r]`` is one
+    sequence of ``len(x_u) + len(z_r)`` tokens (no prefix is shared between pairs).
+    """
+    prompts, _ = _distinct_prompts(batch.column_prompts)
+    pairs = [(u, r) for u in range(len(prompts)) for r, z in enumerate(batch.reasonings) if z]
+    return prompts, pairs
+
+
+def pair_scores(
+    batch: ScoringBatch,
+    token_logprobs: dict[tuple[int, int], np.ndarray],
+    head_tokens: tuple[int, ...],
+    tokens_processed: int,
+) -> CrossScores:
+    """CrossScores from the per-token log-probs of every pair of ``scored_pairs(batch)``.
+
+    ``L_seq[r, j] = sum_t lp[u_j, r][t]`` and ``L_head[k][r, j] = sum_{t < k} lp[u_j, r][t]``, the
+    kernel's sums (``score_batch``) over log-probs computed elsewhere (a vLLM server). Rows without
+    reasoning score 0. No entropy: ``token_entropy`` holds empty arrays, which
+    ``estimators.token_entropy_stats`` leaves out.
+
+    Args:
+        batch: the scored batch.
+        token_logprobs: (distinct prompt index, row) -> [T_r] float64 log p(z_r[t] | x_u, z_r[:t]), nats.
+        head_tokens: the budgets k of ``ScoringConfig.head_tokens``.
+        tokens_processed: tokens the scorer ran.
+    """
+    prompts, prompt_of_column = _distinct_prompts(batch.column_prompts)
+    _, pairs = scored_pairs(batch)
+    missing = set(pairs) - token_logprobs.keys()
+    assert not missing, f"pairs without log-probs: {sorted(missing)[:5]}"
+    L = np.zeros((batch.n_rows, len(prompts)), dtype=np.float64)  # [R, U]
+    L_head = {k: np.zeros_like(L) for k in head_tokens}
+    for (u, r), logprobs in token_logprobs.items():
+        if len(logprobs) != len(batch.reasonings[r]):
+            raise ScoringError(f"row {r}: {len(logprobs)} log-probs for {len(batch.reasonings[r])} reasoning tokens")
+        L[r, u] = float(np.sum(logprobs))
+        for k, head in L_head.items():
+            head[r, u] = float(np.sum(logprobs[:k]))
+    return CrossScores(
+        L_seq=L[:, prompt_of_column],  # [R, N]
+        reasoning_lengths=batch.reasoning_lengths,
+        token_entropy=tuple(np.empty(0) for _ in range(batch.n_rows)),
+        tokens_processed=tokens_processed,
+        L_head={k: head[:, prompt_of_column] for k, head in L_head.items()},
     )
 
 

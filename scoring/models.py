@@ -52,7 +52,7 @@ def load_model(config: ScoringConfig, cache_dir: Path) -> Scorer:
     if name == "tiny-random":
         model, tokenizer = build_tiny_random()
     elif name == "smollm2-135m":
-        model, tokenizer = _load_gguf(_smollm2_gguf_path(), cache_dir)
+        model, tokenizer = _load_gguf(smollm2_gguf_path(), cache_dir)
     else:
         path = Path(name).expanduser()
         if path.is_file() and path.suffix == ".gguf":
@@ -69,6 +69,40 @@ def load_model(config: ScoringConfig, cache_dir: Path) -> Scorer:
     return Scorer(name=name, model=model, tokenizer=tokenizer)
 
 
+def load_tokenizer(model: str, cache_dir: Path) -> Any:
+    """The tokenizer of ``model`` (any name ``load_model`` takes) without its weights in memory.
+
+    A scorer served elsewhere (``service.jobs.vllm``) tokenizes text here, with the tokenizer of the
+    model it serves. A GGUF file is converted into its cache folder first, as ``load_model`` does.
+    """
+    from transformers import AutoTokenizer
+
+    if model == "tiny-random":
+        return build_tiny_random()[1]
+    path = Path(model).expanduser()
+    if model == "smollm2-135m" or (path.is_file() and path.suffix == ".gguf"):
+        path = converted_folder(smollm2_gguf_path() if model == "smollm2-135m" else path, cache_dir)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"tokenizer must come from one of {', '.join(BUILTIN_MODELS)}, a local model folder or a .gguf file; "
+            f"got {model!r}, which is none of these"
+        )
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def converted_folder(gguf: Path, cache_dir: Path) -> Path:
+    """The safetensors folder of a GGUF file under ``cache_dir``, converted on first use.
+
+    ``converted_folder(smollm2_gguf_path(), cache_dir)`` is the folder a vLLM server serves SmolLM2 from.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir / f"{gguf.stem}-{key}"
+    if not (target / "model.safetensors").is_file():
+        _convert_gguf(gguf, target)
+    return target
+
+
 def _load_folder(path: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,7 +113,7 @@ def _load_folder(path: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _smollm2_gguf_path() -> Path:
+def smollm2_gguf_path() -> Path:
     # find_spec locates the package without importing it (its import pulls in `llm`).
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE.replace("-", "_"))
     if spec is None or not spec.submodule_search_locations:
@@ -96,12 +130,7 @@ def _smollm2_gguf_path() -> Path:
 
 def _load_gguf(path: Path, cache_dir: Path) -> tuple[Any, Any]:
     """Loads a GGUF file through its safetensors conversion, converting it on first use."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir / f"{path.stem}-{key}"
-    if not (target / "model.safetensors").is_file():
-        _convert_gguf(path, target)
-    return _load_folder(target)
+    return _load_folder(converted_folder(path, cache_dir))
 
 
 def _convert_gguf(path: Path, target: Path) -> None:

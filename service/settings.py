@@ -7,8 +7,10 @@ and the worker take a built ``Settings`` and never read the environment themselv
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import parse_qs, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,6 +24,55 @@ DEFAULT_SCORING_BUDGET_SECONDS = 60.0
 
 _SCORING = ScoringConfig()  # scoring's defaults; the settings reuse them
 WILDCARD_BINDS = ("0.0.0.0", "::", "")  # every interface: clients reach it under names it cannot know
+VLLM_SCHEMES = ("vllm+http", "vllm+https")
+
+
+@dataclass(frozen=True)
+class VllmEndpoint:
+    """Where a vLLM scorer is served, parsed from its ``Settings.scorers`` value.
+
+    Attributes:
+        url: the server's base URL (``http://host:port``), the API under ``/v1``.
+        model: the served model name (``--served-model-name``).
+        tokenizer: a model name ``scoring.models.load_model`` takes, whose tokenizer is the served model's;
+            checked against the server's ``/tokenize`` at load.
+        dtype: the precision the server was started with (``--dtype``), recorded with every scored batch.
+    """
+
+    url: str
+    model: str
+    tokenizer: str
+    dtype: str
+
+    @classmethod
+    def parse(cls, spec: str) -> VllmEndpoint | None:
+        """The endpoint ``spec`` names, or None when ``spec`` is not a vLLM scorer (a model for our kernel)."""
+        parts = urlsplit(spec)
+        if parts.scheme not in VLLM_SCHEMES:
+            return None
+        query = {key: values[-1] for key, values in parse_qs(parts.query).items()}
+        missing = [key for key in ("model", "tokenizer") if not query.get(key)]
+        if missing or not parts.netloc:
+            raise ValueError(
+                f"a vLLM scorer must be vllm+http://host:port?model=<served name>&tokenizer=<model>[&dtype=<dtype>], "
+                f"got {spec!r} (missing: {', '.join(missing) or 'host'})"
+            )
+        unknown = sorted(set(query) - {"model", "tokenizer", "dtype"})
+        if unknown:
+            raise ValueError(f"a vLLM scorer takes model, tokenizer and dtype, got {', '.join(unknown)} in {spec!r}")
+        base = f"{parts.scheme.removeprefix('vllm+')}://{parts.netloc}{parts.path.rstrip('/')}"
+        return cls(url=base, model=query["model"], tokenizer=query["tokenizer"], dtype=query.get("dtype", "auto"))
+
+
+@dataclass(frozen=True)
+class VllmClientSettings:
+    """How requests are sent: at most ``concurrency`` at a time, each of at most ``request_tokens`` prompt
+    tokens, waited for ``timeout_seconds``, tried ``retries`` more times when the server does not answer."""
+
+    timeout_seconds: float
+    concurrency: int
+    retries: int
+    request_tokens: int
 
 
 class Settings(BaseSettings):
@@ -52,8 +103,23 @@ class Settings(BaseSettings):
     default_scorer: str = Field("smollm2-135m", description="Scorer of runs that name none.")
     scorers: dict[str, str] = Field(
         default_factory=lambda: {"smollm2-135m": "smollm2-135m", "tiny-random": "tiny-random"},
-        description="Named scorers: name -> built-in model, local model folder or .gguf file. Clients pick "
-        "a name, never a path.",
+        description="Named scorers: name -> built-in model, local model folder or .gguf file (scored by our kernel "
+        "in this process), or a vLLM server: vllm+http://host:port?model=<served name>&tokenizer=<model>&dtype=<dtype> "
+        "(docs/deploy.md, Scoring backends). Clients pick a name, never a path.",
+    )
+    vllm_timeout_seconds: float = Field(
+        120.0, gt=0, description="vLLM scorers: longest wait for one request's answer before it is tried again."
+    )
+    vllm_concurrency: int = Field(
+        4,
+        ge=1,
+        description="vLLM scorers: requests in flight at once per scoring worker (each up to max_batch_tokens).",
+    )
+    vllm_retries: int = Field(
+        3,
+        ge=0,
+        description="vLLM scorers: tries after the first of a request the server does not answer (refused, timed out, "
+        "5xx); then the batch goes back to the queue, uncounted, and is scored once the server answers.",
     )
     checkpoint_root: Path | None = Field(
         None, description="Policy checkpoints announced by trainers must lie under this folder; none when unset."
@@ -314,6 +380,8 @@ class Settings(BaseSettings):
     def _some_scorer(cls, value: dict[str, str]) -> dict[str, str]:
         if not value:
             raise ValueError("at least one named scorer is needed")
+        for spec in value.values():
+            VllmEndpoint.parse(spec)  # raises, naming what is missing, for a malformed vLLM scorer
         return value
 
     @model_validator(mode="after")
@@ -369,6 +437,16 @@ class Settings(BaseSettings):
     @property
     def is_sqlite(self) -> bool:
         return self.resolved_database_url.startswith("sqlite")
+
+    @property
+    def vllm_client(self) -> VllmClientSettings:
+        """How the worker talks to vLLM scorers: each request holds up to ``max_batch_tokens`` prompt tokens."""
+        return VllmClientSettings(
+            timeout_seconds=self.vllm_timeout_seconds,
+            concurrency=self.vllm_concurrency,
+            retries=self.vllm_retries,
+            request_tokens=self.max_batch_tokens,
+        )
 
     def scoring_config(self, model: str, temperature: float = 1.0) -> ScoringConfig:
         """The ScoringConfig of one scorer: the only place settings become scoring settings."""

@@ -85,9 +85,11 @@ def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: in
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The Docker tests run last: by then ``tests.docker.prepare``, started beside the suite by scripts/test,
-    has built their images (minutes that would otherwise open the run)."""
-    items.sort(key=lambda item: item.get_closest_marker("docker") is not None)
+    """The vLLM tests run next to last and the Docker tests last: by then the builds scripts/test started beside
+    the suite (``scripts/vllm-env``, ``tests.docker.prepare``) are done (minutes that would otherwise open the run)."""
+    items.sort(
+        key=lambda item: (item.get_closest_marker("docker") is not None, item.get_closest_marker("vllm") is not None)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,7 @@ import torch
 
 from bench.corpus.prompts import TASKS, TEMPLATE_STYLES, task_prompt, template_prompt
 from scoring import Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch
-from scoring.models import _smollm2_gguf_path
+from scoring.models import smollm2_gguf_path
 from scoring.partition import THINK_CLOSE, clean_reasoning
 
 CACHE = Path("~/.cache/collapse-monitor").expanduser()
@@ -113,7 +113,7 @@ def bisect_temperature(
 
 
 def scorer_record() -> dict[str, Any]:
-    gguf = _smollm2_gguf_path()
+    gguf = smollm2_gguf_path()
     digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
 
     def git(*cmd: str) -> str:

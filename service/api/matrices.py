@@ -87,4 +87,5 @@ def _response(run: str, matrix: ScoreMatrix, batch: Batch) -> MatrixResponse:
         row_normalized=prompt_posterior(grouped).tolist(),
         metrics=result.get("metrics", {}),
         per_prompt=per_prompt,
+        scored_by=(batch.result or {}).get("scored_by"),
     )

@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from scoring.batch import ScoringBatch
-from scoring.budget import BatchCost, Plan, Throughput, batch_cost, plan_batch
+from scoring.budget import BatchCost, CostModel, Plan, Throughput, plan_batch
 from scoring.config import ScoringConfig
-from scoring.cross_scores import score_batch
-from scoring.scorer import Scorer
 from scoring.window import WindowCut, fit_window
+from service.jobs.vllm import AnyScorer, cost_model, score_with
 from service.schemas.results import PlanResult
 
 # The warm-up batch: prompts x rows of the step's mean lengths, ~5k tokens at a 512-token window
@@ -57,16 +56,18 @@ class Budget:
 
     seconds: float | None
     rates: ScoringRates
-    scorer: Scorer
+    scorer: AnyScorer
     config: ScoringConfig
     max_positions: int
     max_reasoning_tokens: int | None
     check: Callable[[], None] | None = None
+    cost_of: CostModel = field(init=False)
     left: float | None = field(init=False)
     rate_source: Literal["measured", "warm-up", "none"] = field(init=False)
     _full: dict[str, float] = field(init=False, default_factory=dict)  # sampler still to score -> predicted seconds
 
     def __post_init__(self) -> None:
+        self.cost_of = cost_model(self.scorer)  # the kernel's shared prefixes, or vLLM's every pair whole
         self.left = self.seconds
         self.rate_source = "none" if self.rates.of(self.scorer.name).is_empty else "measured"
 
@@ -80,7 +81,7 @@ class Budget:
         throughput = self.rates.of(self.scorer.name)
         for sampler, batch in batches.items():
             fitted, _ = fit_window(batch, self.max_reasoning_tokens, self.max_positions)
-            self._full[sampler] = throughput.predict_seconds(batch_cost(fitted)) or 0.0
+            self._full[sampler] = throughput.predict_seconds(self.cost_of(fitted)) or 0.0
 
     def plan(self, sampler: str, batch: ScoringBatch, *, keeps_columns: bool) -> tuple[Plan, ScoringBatch, WindowCut]:
         """The sampler's plan within its share of what is left of the budget (``scoring.budget.plan_batch``)."""
@@ -97,11 +98,12 @@ class Budget:
             self.max_reasoning_tokens,
             self.max_positions,
             keeps_columns=keeps_columns,
+            cost_of=self.cost_of,
         )
 
     def spent(self, batch: ScoringBatch, tokens: int, seconds: float) -> None:
         """Learns from a scored batch and takes its seconds off what is left."""
-        self.rates.observe(self.scorer.name, BatchCost(tokens, batch_cost(batch).length), seconds)
+        self.rates.observe(self.scorer.name, BatchCost(tokens, self.cost_of(batch).length), seconds)
         if self.left is not None:
             self.left -= seconds
 
@@ -138,6 +140,6 @@ class Budget:
             self.max_positions,
         )
         started = time.perf_counter()
-        cross = score_batch(self.scorer, warm, self.config, self.check)
+        cross = score_with(self.scorer, warm, self.config, self.check)
         seconds = time.perf_counter() - started
         self.spent(warm, cross.tokens_processed, seconds)

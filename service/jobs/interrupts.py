@@ -28,6 +28,11 @@ class BatchDeleted(LeaseLost):
     """The batch's run was deleted after the claim: nothing to score or write."""
 
 
+class ScorerUnavailable(Interrupted):
+    """The scorer's server (vLLM) did not answer: the batch goes back to the queue, no attempt counted, and is
+    scored whole once it answers again (nothing of the abandoned scoring is written)."""
+
+
 class TimeLimit(Interrupted):
     """The batch ran past ``max_scoring_seconds``: it fails with this message."""
 

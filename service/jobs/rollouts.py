@@ -11,18 +11,17 @@ import time
 from collections.abc import Callable
 
 from scoring.budget import Plan, subset
-from scoring.cross_scores import score_batch
 from scoring.dependence import scored_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, sample_rows
-from scoring.scorer import Scorer
 from scoring.window import sequence_limit
 from service.errors import InvalidRequest
 from service.jobs.budget import Budget, ScoringRates
 from service.jobs.reasoning import group_extractions, reasoning_excerpts, reasoning_summary
 from service.jobs.recording import ScoredBatch
 from service.jobs.reward_figures import batch_figures
+from service.jobs.vllm import AnyScorer, score_with, scored_by
 from service.schemas.inputs import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled, step_budget
@@ -34,7 +33,7 @@ def score_rollouts(
     payload: BatchIn,
     run: RunSnapshot,
     emas: dict[str, EmaState],
-    get_scorer: Callable[[], Scorer],
+    get_scorer: Callable[[], AnyScorer],
     settings: Settings,
     check: Callable[[], None] | None = None,
     rates: ScoringRates | None = None,
@@ -56,6 +55,7 @@ def score_rollouts(
     config = settings.scoring_config(scorer.name, run.temperature)
     trajectories = tokenized(payload, scorer, run.reasoning_extraction)
     scored.scorer = run.scorer
+    scored.result.scored_by = scored_by(scorer)
     rates = rates or ScoringRates()
     limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
     drawn = {
@@ -82,7 +82,7 @@ def score_rollouts(
         plan, batch, cut = budget.plan(sampler, drawn_rows.batch, keeps_columns=sampler == "first_turn")
         rows = _planned_rows(drawn_rows, plan)
         started = time.perf_counter()
-        cross = score_batch(scorer, batch, config, check)
+        cross = score_with(scorer, batch, config, check)
         seconds = time.perf_counter() - started
         budget.spent(batch, cross.tokens_processed, seconds)
         scored.tokens += cross.tokens_processed
@@ -116,7 +116,7 @@ def score_rollouts(
     return scored
 
 
-def tokenized(payload: BatchIn, scorer: Scorer, extraction: Extraction = "think_tags") -> list[Trajectory]:
+def tokenized(payload: BatchIn, scorer: AnyScorer, extraction: Extraction = "think_tags") -> list[Trajectory]:
     """The batch's trajectories as token ids under ``scorer``'s tokenizer; 400 for what it cannot encode."""
     per_group = group_extractions(payload, extraction)
     trajectories = []

@@ -7,6 +7,9 @@ batches back at once instead. A batch's metric points, EMA states, status and re
 in one transaction, and only while this worker still holds the lease, so every batch is scored
 exactly once.
 
+A scorer served elsewhere (vLLM) that does not answer puts the batch back in the queue, uncounted,
+and the worker waits (``SCORER_BACKOFF``) before it claims again.
+
 Failures: a batch that cannot be scored or stored (bad content, longer than the scorer's context,
 a checkpoint that does not load, results the database refuses, longer than
 ``max_scoring_seconds``) is marked failed at once with its reason and blocks nothing else, since
@@ -30,13 +33,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from scoring.estimators import EmaState
-from scoring.scorer import Scorer
 from service.errors import MonitorError
-from service.jobs.interrupts import BatchDeleted, LeaseLost, ShuttingDown, TimeLimit, checked
+from service.jobs.interrupts import BatchDeleted, LeaseLost, ScorerUnavailable, ShuttingDown, TimeLimit, checked
 from service.jobs.recording import ScoredBatch, finish_done, finish_failed, load_emas
 from service.jobs.rollouts import score_rollouts
 from service.jobs.scorers import ScorerPool
-from service.loops import lease_owner, poll, retry_through_outage, worker_identity
+from service.jobs.vllm import AnyScorer
+from service.loops import Backoff, lease_owner, poll, retry_through_outage, worker_identity
 from service.schemas.inputs import BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot
@@ -45,6 +48,9 @@ from service.storage.database import outage
 from service.storage.tables import Batch, Checkpoint, Run
 
 log = logging.getLogger("collapse_monitor.worker")
+# After a scorer's server did not answer (its own retries spent): 2 s, 4 s, ... up to 30 s before the next claim,
+# so a server down for minutes is asked twice a minute, not hammered with claims of the same batch.
+SCORER_BACKOFF = Backoff(first_seconds=2.0, max_seconds=30.0, jitter=0.25)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class Worker:
         self._release_predecessors = True
         self._release_own = False
         self._leased_at = time.monotonic()
+        self._scorer_failures = 0  # consecutive batches put back because their scorer's server did not answer
 
     def run(self, stop: threading.Event) -> None:
         """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty.
@@ -89,7 +96,8 @@ class Worker:
             self.close()
 
     def close(self) -> None:
-        """Gives up this worker's name (a later worker of this host may take it)."""
+        """Gives up this worker's name (a later worker of this host may take it) and its scorers' connections."""
+        self.pool.close()
         if self._slot is not None:
             os.close(self._slot)
             self._slot = None
@@ -103,12 +111,15 @@ class Worker:
         batch_id = self._claim()
         if batch_id is None:
             return False
+        failures = self._scorer_failures
         try:
             self._process(batch_id)
         except Exception as e:
             if outage(e) is not None:  # the batch stays leased to this worker: put it back once the database answers
                 self._release_own = True
             raise
+        if self._scorer_failures > failures:  # put back, its scorer away: wait before claiming it again
+            self.stop.wait(SCORER_BACKOFF.delay(self._scorer_failures))
         return True
 
     def _process(self, batch_id: str) -> None:
@@ -122,6 +133,10 @@ class Worker:
             scored = self._score(claimed, self._interrupter(start, lost))
         except ShuttingDown:
             self._put_back(batch_id)
+            return
+        except ScorerUnavailable as e:
+            self._put_back(batch_id, str(e))
+            self._scorer_failures += 1
             return
         except BatchDeleted:
             log.info("worker %s: batch %s was deleted with its run; nothing to score", self.owner, batch_id)
@@ -138,6 +153,7 @@ class Worker:
         finally:
             renewing.set()
             heartbeat.join()
+        self._scorer_failures = 0
         seconds = time.perf_counter() - start
         try:
             self._finish(batch_id, lambda: self._finish_done(claimed, scored, seconds))
@@ -204,10 +220,14 @@ class Worker:
                 self.name,
             )
 
-    def _put_back(self, batch_id: str) -> None:
+    def _put_back(self, batch_id: str, scorer_down: str | None = None) -> None:
+        """Puts the batch back, uncounted: at shutdown, or when ``scorer_down`` says its scorer's server is away."""
         with self.sessions.begin() as session:
             queue.release_leases(session, self.owner, count_attempt=False)
-        log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
+        if scorer_down is None:
+            log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
+        else:
+            log.warning("worker %s: batch %s is back in the queue: %s", self.owner, batch_id, scorer_down)
 
     def _claim(self) -> str | None:
         with self.sessions.begin() as session:
@@ -236,7 +256,7 @@ class Worker:
     def _score(self, claimed: Claimed, check: Callable[[], None]) -> ScoredBatch:
         payload = BatchIn.model_validate_json(claimed.payload)
 
-        def scorer() -> Scorer:
+        def scorer() -> AnyScorer:
             path = Path(claimed.checkpoint_path) if claimed.checkpoint_path else None
             loaded = checked(lambda: self.pool.get(claimed.run.scorer, path, claimed.checkpoint_kind or "full"), check)
             self._record_limits(claimed.run.scorer, loaded)
@@ -246,7 +266,7 @@ class Worker:
         scored.checkpoint = claimed.checkpoint_path
         return scored
 
-    def _record_limits(self, name: str, scorer: Scorer) -> None:
+    def _record_limits(self, name: str, scorer: AnyScorer) -> None:
         """Lets ingest refuse token ids this scorer cannot score (once per scorer and process)."""
         if name in self._limits_recorded:
             return

@@ -10,7 +10,7 @@ from pydantic import (
 )
 
 from service.schemas.inputs import RunMetadata
-from service.schemas.results import PromptBreakdown
+from service.schemas.results import PromptBreakdown, ScoredBy
 
 
 class MetricPointOut(BaseModel):
@@ -109,3 +109,6 @@ class MatrixResponse(BaseModel):
     )
     metrics: dict[str, float] = Field(description="The step's diagnostics for this sampler.")
     per_prompt: list[PromptDetail] = Field(description="Worst first: ascending MI term.")
+    scored_by: ScoredBy | None = Field(
+        None, description="What scored the step (engine, model, dtype); null for uploaded matrices and older batches."
+    )

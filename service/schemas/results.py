@@ -136,6 +136,17 @@ class ReasoningSummary(BaseModel):
     with_reasoning: int = Field(description="Turns with reasoning to score.")
 
 
+class ScoredBy(BaseModel):
+    """What computed a scored step's log-probs: engine, model and precision (provenance)."""
+
+    engine: Literal["kernel", "vllm"] = Field(
+        description="kernel: our cross-scoring kernel in the worker; vllm: a vLLM server (docs/deploy.md)."
+    )
+    model: str = Field(description="The scorer's model: what Settings.scorers names, or the vLLM served model name.")
+    dtype: str = Field(description="Precision of the weights and activations (vLLM: as its scorer's dtype= says).")
+    server: str | None = Field(None, description="The vLLM server's base URL; null for the kernel.")
+
+
 class BatchResult(BaseModel):
     """Everything a finished batch reports: reward figures for rollouts, cross-scoring on scheduled steps.
 
@@ -151,6 +162,7 @@ class BatchResult(BaseModel):
     reasoning: ReasoningSummary | None = Field(None, description="How the turns' reasoning was found (rollouts only).")
     rewards: RewardResult | None = Field(None, description="Reward groups and filter advice (rollouts only).")
     figures: dict[str, float] | None = Field(None, description="Batch-level figures, sampler `all` (rollouts only).")
+    scored_by: ScoredBy | None = Field(None, description="What scored the step; absent when nothing was cross-scored.")
 
     @model_serializer(mode="wrap")
     def _leave_out_absent_parts(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -443,7 +443,15 @@ function renderStep(m) {
     ui.el(
       "header",
       { class: "step-header" },
-      ui.el("h2", {}, `Step ${m.step}`, ui.el("span", { class: "muted" }, ` · ${m.sampler} · ${m.rows} reasoning rows × ${m.columns} prompts`)),
+      ui.el(
+        "h2",
+        {},
+        `Step ${m.step}`,
+        ui.el("span", { class: "muted" }, ` · ${m.sampler} · ${m.rows} reasoning rows × ${m.columns} prompts`),
+        m.scored_by
+          ? ui.el("span", { class: "muted small", title: m.scored_by.server || "" }, ` · scored by ${m.scored_by.engine}, ${m.scored_by.model}, ${m.scored_by.dtype}`)
+          : "",
+      ),
       ui.el(
         "div",
         { class: "step-figures" },

@@ -210,7 +210,7 @@ def test_the_workers_score_batches_and_the_image_ships_the_default_scorers_weigh
         "worker",
         "python3",
         "-c",
-        "from scoring.models import _smollm2_gguf_path; print(_smollm2_gguf_path())",
+        "from scoring.models import smollm2_gguf_path; print(smollm2_gguf_path())",
     )
     assert found.stdout.strip().endswith(".gguf")
 

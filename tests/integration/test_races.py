@@ -16,6 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, event, func, select, update
 
+from scoring import Scorer
 from service.app import create_app
 from service.ingest.runs import delete_run
 from service.jobs.scorers import ScorerPool
@@ -94,6 +95,7 @@ def at_first_layer(worker: Worker, action: Callable[[], None]):
             action()
 
     scorer = worker.pool.get("tiny-random")
+    assert isinstance(scorer, Scorer)  # the kernel's, whose layers can be hooked
     # On a submodule: the kernel's own forward (scoring/forward.py) calls a layer's parts, not the layer.
     return scorer.model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(hook).remove
 

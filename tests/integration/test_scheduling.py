@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, update
 from sqlalchemy.exc import OperationalError
 
+from scoring import Scorer
 from service.access import issue_token
 from service.app import create_app
 from service.jobs.scorers import ScorerPool
@@ -222,6 +223,7 @@ def test_a_shutdown_abandons_the_batch_at_the_next_layer_and_puts_it_back_uncoun
 
     # The worker's pool loads the scorer the batch asks for; stop at its first attention layer.
     scorer = worker.pool.get("tiny-random")
+    assert isinstance(scorer, Scorer)  # the kernel's, whose layers can be hooked
     hook = scorer.model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(stop_when_scoring)
     try:
         assert worker.run_once() is True
@@ -277,6 +279,7 @@ def test_a_database_error_never_fails_a_batch_the_next_round_puts_it_back_uncoun
             other.execute("BEGIN EXCLUSIVE")
 
     scorer = worker.pool.get("tiny-random")
+    assert isinstance(scorer, Scorer)  # the kernel's, whose layers can be hooked
     hook = scorer.model.base_model.layers[0].self_attn.q_proj.register_forward_pre_hook(lock_the_database)
     try:
         with pytest.raises(OperationalError, match="database is locked"):

@@ -128,6 +128,9 @@ def test_a_scored_rollout_batch_stores_its_matrix_with_the_reasoning_of_each_pro
         result = status["results"]["samplers"][sampler]
         assert (body["step"], body["sampler"], body["batch_id"]) == (1, sampler, status["batch_id"])
         assert (body["rows"], body["columns"]) == (result["rows"], result["columns"])
+        # Provenance: the tiny model run by our kernel, in float32 (the settings' dtype).
+        assert body["scored_by"] == status["results"]["scored_by"]
+        assert body["scored_by"] == {"engine": "kernel", "model": "tiny-random", "dtype": "float32", "server": None}
         L = np.array(body["L_tok"])
         assert L.shape == (body["rows"], body["columns"])
         assert body["row_columns"] == sorted(body["row_columns"])  # grouped by prompt

@@ -10,7 +10,7 @@ import pytest
 
 from bench.corpus.simulate import load
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
-from scoring.models import _smollm2_gguf_path
+from scoring.models import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_the_corpus_records_the_scorer_it_was_scored_with():
     assert scorer["model"] == "smollm2-135m"
     assert scorer["dtype"] == "float32"
     assert scorer["scoring_temperature"] == 1.0
-    assert hashlib.sha256(_smollm2_gguf_path().read_bytes()).hexdigest() == scorer["gguf_sha256"]
+    assert hashlib.sha256(smollm2_gguf_path().read_bytes()).hexdigest() == scorer["gguf_sha256"]
 
 
 def test_a_sample_of_committed_entries_matches_a_fresh_scoring():

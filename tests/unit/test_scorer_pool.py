@@ -11,6 +11,7 @@ from pathlib import Path
 
 from scoring import Scorer
 from service.jobs.scorers import ScorerPool
+from service.jobs.vllm import AnyScorer
 from service.settings import Settings
 
 WAIT_SECONDS = 60.0  # generous: only a pool that serialises loads waits this long
@@ -25,7 +26,7 @@ class SlowDiskPool(ScorerPool):
         self.loading_slow, self.release = threading.Event(), threading.Event()
         self.loads: Counter[str] = Counter()
 
-    def _load(self, name: str, checkpoint: Path | None, kind: str) -> Scorer:
+    def _load(self, name: str, checkpoint: Path | None, kind: str) -> AnyScorer:
         self.loads[name] += 1
         if name == self.slow:
             self.loading_slow.set()

@@ -1,0 +1,269 @@
+"""A scorer served by vLLM: per-token log-probs of every (prompt, reasoning) pair over its OpenAI-compatible API.
+
+A named scorer whose model is ``vllm+http://host:port?model=<served name>&tokenizer=<model>&dtype=<dtype>``
+(``VllmEndpoint``) is scored by a vLLM server instead of our kernel: each pair ``[x_u ; z_r]`` is sent
+as token ids to ``POST /v1/completions`` with ``max_tokens: 1, prompt_logprobs: 0``, whose answer
+holds log p(token | earlier tokens) at every prompt position; the reasoning's positions give the
+row's log-probs, summed exactly as the kernel sums its own (``scoring.cross_scores.pair_scores``).
+
+What it cannot give: the full next-token distribution, so no ``token_entropy_*`` figures (MI,
+retrieval, H(Z|X) and the head signals need only the log-probs of the sent tokens, which are exact).
+It scores at temperature 1 only (vLLM's prompt log-probs are of the raw logits), and its cost is
+every pair's whole length (``scoring.budget.pair_cost``): vLLM computes prompt log-probs without its
+prefix cache, so each pair re-prefills its prompt.
+
+Failures: a server that does not answer (connection refused, a timeout, a 5xx) after ``retries``
+tries raises ``ScorerUnavailable``: the worker puts the batch back in the queue, uncounted, and
+scores it whole later (nothing of a half-scored batch is written). A 4xx (too long for the
+server's context, a model it does not serve) fails the batch with the server's message. Must not
+import fastapi.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from scoring.batch import ScoringBatch, Tokens
+from scoring.budget import CostModel, batch_cost, pair_cost
+from scoring.config import ScoringConfig
+from scoring.cross_scores import CrossScores, ScoringError, pair_scores, score_batch, scored_pairs
+from scoring.scorer import ModelLoadError, Scorer
+from service.jobs.interrupts import ScorerUnavailable
+from service.loops import Backoff
+from service.schemas.results import ScoredBy
+from service.settings import VllmClientSettings, VllmEndpoint
+
+log = logging.getLogger("collapse_monitor.worker")
+
+# Tokenized here and by the server at load: text, digits, whitespace runs, punctuation and chat markup.
+TOKENIZER_PROBE = (
+    "<|im_start|>user\nWhat is 17 times 3? Think step by step.<|im_end|>\n<|im_start|>assistant\n"
+    "<think>17 x 3 = 51, since 10 x 3 = 30 and 7 x 3 = 21.</think>\n\n  <answer>51</answer> ünïcödé ✓"
+)
+# Between tries of one request: 0.5 s, 1 s, 2 s, ... up to 8 s, so a restart of a few seconds is ridden out.
+REQUEST_BACKOFF = Backoff(first_seconds=0.5, max_seconds=8.0, jitter=0.25)
+
+
+class VllmScorer:
+    """A scorer served by vLLM; the same surface as ``scoring.Scorer`` where the worker reads it."""
+
+    def __init__(
+        self,
+        name: str,
+        endpoint: VllmEndpoint,
+        tokenizer: Any,
+        client: VllmClientSettings,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.name = name
+        self.endpoint = endpoint
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.settings = client
+        self.http = httpx.Client(
+            base_url=endpoint.url, timeout=client.timeout_seconds, transport=transport, trust_env=False
+        )
+        self.max_positions: int | None = None
+
+    def encode(self, text: str) -> Tokens:
+        """Token ids of ``text`` without special tokens (``scoring.Scorer.encode``)."""
+        return tuple(int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def connect(self) -> None:
+        """Checks that the server serves ``endpoint.model`` and tokenizes as our tokenizer does.
+
+        Raises:
+            ScorerUnavailable: the server did not answer.
+            ModelLoadError: it serves another model, or its token ids differ from ours.
+        """
+        models = self._request("GET", "/v1/models").get("data", [])
+        served = {m.get("id"): m for m in models}
+        if self.endpoint.model not in served:
+            raise ModelLoadError(
+                f"scorer {self.name!r}: the vLLM server at {self.endpoint.url} must serve model "
+                f"{self.endpoint.model!r}, it serves {', '.join(map(str, served)) or 'none'}"
+            )
+        length = served[self.endpoint.model].get("max_model_len")
+        self.max_positions = int(length) if isinstance(length, int) else None
+        theirs = self._request(
+            "POST", "/tokenize", {"model": self.endpoint.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+        ).get("tokens")
+        ours = list(self.encode(TOKENIZER_PROBE))
+        if theirs != ours:
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs or [], strict=False)) if a != b), None)
+            where = f"from token {at}" if at is not None else f"in length ({len(ours)} here, {len(theirs or [])})"
+            raise ModelLoadError(
+                f"scorer {self.name!r}: the vLLM server's tokenizer differs from {self.endpoint.tokenizer!r}'s "
+                f"{where}; point tokenizer= at the model the server serves"
+            )
+
+    def score(self, batch: ScoringBatch, config: ScoringConfig, check: Callable[[], None] | None = None) -> CrossScores:
+        """``scoring.cross_scores.score_batch``'s result, from the server: L_seq, L_head; no entropy.
+
+        Pairs go in requests of at most ``request_tokens`` prompt tokens, ``concurrency`` at a time;
+        ``check`` is called while waiting, and an exception it raises abandons the requests not yet sent.
+        """
+        if config.temperature != 1.0:
+            raise ScoringError(
+                f"scorer {self.name!r} (vLLM) scores at temperature 1 only, got {config.temperature:g}: vLLM's prompt "
+                "log-probs are of the raw logits"
+            )
+        prompts, pairs = scored_pairs(batch)
+        requests = _requests(pairs, prompts, batch.reasonings, self.settings.request_tokens)
+        logprobs: dict[tuple[int, int], np.ndarray] = {}
+        pool = ThreadPoolExecutor(max_workers=self.settings.concurrency, thread_name_prefix="vllm")
+        try:
+            pending: set[Future[list[np.ndarray]]] = set()
+            owner: dict[Future[list[np.ndarray]], list[tuple[int, int]]] = {}
+            for chunk in requests:
+                sequences = [prompts[u] + batch.reasonings[r] for u, r in chunk]
+                starts = [len(prompts[u]) for u, _ in chunk]
+                future = pool.submit(self._score_sequences, sequences, starts)
+                owner[future] = chunk
+                pending.add(future)
+            while pending:
+                if check is not None:
+                    check()
+                done, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                for future in done:
+                    for pair, values in zip(owner[future], future.result(), strict=True):
+                        logprobs[pair] = values
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        tokens = sum(len(prompts[u]) + len(batch.reasonings[r]) for u, r in pairs)
+        return pair_scores(batch, logprobs, config.head_tokens, tokens)
+
+    def _score_sequences(self, sequences: Sequence[Tokens], starts: Sequence[int]) -> list[np.ndarray]:
+        """[len(seq) - start] log-probs of each sequence's tokens from ``start`` on, in nats."""
+        body = {
+            "model": self.endpoint.model,
+            "prompt": [list(s) for s in sequences],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 0.0,
+        }
+        choices = {c["index"]: c for c in self._request("POST", "/v1/completions", body)["choices"]}
+        out = []
+        for i, (sequence, start) in enumerate(zip(sequences, starts, strict=True)):
+            positions = choices[i].get("prompt_logprobs") or []
+            if len(positions) != len(sequence):
+                raise ScoringError(
+                    f"scorer {self.name!r}: the vLLM server returned {len(positions)} prompt log-probs for a "
+                    f"sequence of {len(sequence)} tokens"
+                )
+            # Position t holds the log-probs of the sequence's token t given the tokens before it, keyed by id.
+            out.append(np.array([positions[t][str(sequence[t])]["logprob"] for t in range(start, len(sequence))]))
+        return out
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One API call, tried ``1 + retries`` times while the server does not answer."""
+        failures = 0
+        while True:
+            try:
+                response = self.http.request(method, path, json=body)
+            except httpx.TransportError as e:  # refused, reset, timed out
+                reason = f"{type(e).__name__}: {e}"
+            else:
+                if response.status_code < 500:
+                    if response.status_code >= 400:
+                        raise ScoringError(
+                            f"scorer {self.name!r}: the vLLM server refused {method} {path} with "
+                            f"{response.status_code}: {_message(response)}"
+                        )
+                    data: dict[str, Any] = response.json()
+                    return data
+                reason = f"{response.status_code}: {_message(response)}"
+            failures += 1
+            if failures > self.settings.retries:
+                raise ScorerUnavailable(
+                    f"scorer {self.name!r}: the vLLM server at {self.endpoint.url} did not answer {method} {path} "
+                    f"after {failures} tries ({reason})"
+                )
+            log.warning("scorer %s: %s %s failed (try %d): %s", self.name, method, path, failures, reason)
+            time.sleep(REQUEST_BACKOFF.delay(failures))
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def load_vllm_scorer(
+    name: str,
+    endpoint: VllmEndpoint,
+    cache_dir: Path,
+    client: VllmClientSettings,
+    transport: httpx.BaseTransport | None = None,
+) -> VllmScorer:
+    """Loads ``endpoint.tokenizer``'s tokenizer and checks it and the model against the server (``connect``)."""
+    from scoring.models import load_tokenizer
+
+    scorer = VllmScorer(name, endpoint, load_tokenizer(endpoint.tokenizer, cache_dir), client, transport)
+    try:
+        scorer.connect()
+    except BaseException:
+        scorer.close()
+        raise
+    return scorer
+
+
+def _requests(
+    pairs: Sequence[tuple[int, int]], prompts: Sequence[Tokens], reasonings: Sequence[Tokens], budget: int
+) -> list[list[tuple[int, int]]]:
+    """Consecutive pairs grouped into requests of at most ``budget`` prompt tokens (one pair at least)."""
+    requests: list[list[tuple[int, int]]] = []
+    tokens = 0
+    for u, r in pairs:
+        length = len(prompts[u]) + len(reasonings[r])
+        if not requests or tokens + length > budget:
+            requests.append([])
+            tokens = 0
+        requests[-1].append((u, r))
+        tokens += length
+    return requests
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's error message, short."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:300]
+    if isinstance(data, dict):
+        error = data.get("error", data.get("message", data))
+        if isinstance(error, dict):
+            error = error.get("message", error)
+        return str(error)[:300]
+    return str(data)[:300]
+
+
+AnyScorer = Scorer | VllmScorer
+
+
+def score_with(
+    scorer: AnyScorer, batch: ScoringBatch, config: ScoringConfig, check: Callable[[], None] | None = None
+) -> CrossScores:
+    """The cross-scores of ``batch``: by our kernel for a loaded model, by its server for a vLLM scorer."""
+    if isinstance(scorer, VllmScorer):
+        return scorer.score(batch, config, check)
+    return score_batch(scorer, batch, config, check)
+
+
+def cost_model(scorer: AnyScorer) -> CostModel:
+    """What a batch costs ``scorer``: the kernel's shared prefixes (``batch_cost``), or every pair whole (vLLM)."""
+    return pair_cost if isinstance(scorer, VllmScorer) else batch_cost
+
+
+def scored_by(scorer: AnyScorer) -> ScoredBy:
+    """The provenance a scored batch records: engine, model, precision (and the server of a vLLM scorer)."""
+    if isinstance(scorer, VllmScorer):
+        return ScoredBy(
+            engine="vllm", model=scorer.endpoint.model, dtype=scorer.endpoint.dtype, server=scorer.endpoint.url
+        )
+    return ScoredBy(engine="kernel", model=scorer.name, dtype=str(scorer.dtype).removeprefix("torch."))
