@@ -102,11 +102,14 @@ def dependence_signals(
     weights = np.bincount(column_of_row, minlength=n_cols) / n_rows  # [N] w_j
     metrics = {
         "mi_seq_normalized": paper["mi_seq_estimate"] / math.log(n_cols),
-        "retrieval_chance_corrected": chance_corrected(paper["retrieval_accuracy"], paper["retrieval_chance_level"]),
         "retrieval_mrr": float(reciprocal_ranks(L_tok, column_of_row, signature).mean()),
         "mi_excess": excess_over_null(L_tok, column_of_row, weights),
         "duplicate_column_ratio": float(1 - len(set(signature.tolist())) / n_cols),
     }
+    if paper["retrieval_chance_level"] < 1:  # every column one prompt: nothing to retrieve, no figure (not a 0
+        # that TemplateCollapse would read as lost dependence)
+        chance = paper["retrieval_chance_level"]
+        metrics["retrieval_chance_corrected"] = chance_corrected(paper["retrieval_accuracy"], chance)
     if reasonings is not None:
         metrics["duplicate_row_ratio"] = duplicate_row_ratio(reasonings, signature[column_of_row])
     if config.permutations:

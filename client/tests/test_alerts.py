@@ -28,8 +28,8 @@ N_PROMPTS, PER_PROMPT, LENGTH = 4, 3, 10
 
 
 def unjudged(step: int) -> list[dict]:
-    """Trajectories of one prompt: logged as a trainer would, but with a single column the scorer computes no
-    input-dependence figures, so only the posted matrices (sampler ``matrix``) can raise TemplateCollapse.
+    """Trajectories of one prompt: logged as a trainer would, but with one prompt there is nothing to retrieve (no
+    chance-corrected retrieval), so only the posted matrices (sampler ``matrix``) can raise TemplateCollapse.
     (Several prompts scored by the tiny random model raise it by chance, on some step, racing the matrices.)"""
     return trajectories(step, n_groups=1)
 

@@ -101,7 +101,8 @@ def ingest_warnings(payload: BatchIn, extraction: Extraction, found: Found) -> l
         if prompts == 1:
             warnings.append(
                 f"all {with_reasoning} trajectories carrying reasoning share one prompt (group_id): cross-scoring "
-                "needs 2 or more, so the batch has no input-dependence figures"
+                "needs 2 or more prompts, so the batch has no chance-corrected retrieval and TemplateCollapse does not "
+                "judge it"
             )
         elif prompts < PROMPTS_TO_SEE:
             # Scored, but with few columns retrieval moves in coarse steps (chance is 1/prompts) and MI's

@@ -185,3 +185,11 @@ def test_signals_do_not_depend_on_row_order():
         moved = signals(L[o], cols[o], reasonings=[[r] for r in o], L_head=head[o], permutations=0)
         for name, value in base.items():
             assert moved[name] == pytest.approx(value, abs=1e-12), name
+
+
+def test_columns_of_one_prompt_give_no_chance_corrected_retrieval_to_read_as_a_collapse():
+    """Chance is 1 when every column is the same prompt: there is nothing to retrieve, and a 0 would read as lost
+    input dependence (TemplateCollapse fired on such batches)."""
+    L = np.random.default_rng(1).normal(size=(4, 2))
+    assert "retrieval_chance_corrected" not in signals(L, [0, 0, 1, 1], signature=[0, 0])
+    assert "retrieval_chance_corrected" in signals(L, [0, 0, 1, 1], signature=[0, 1])

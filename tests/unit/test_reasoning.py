@@ -90,8 +90,8 @@ def test_a_batch_of_too_few_prompts_to_see_a_collapse_is_answered_with_a_warning
     assert warnings_of(batch(PLAIN), "auto")[0].startswith(two)
     assert "3 prompts" in warnings_of(batch(PLAIN + PLAIN[:2]), "auto")[0]
     assert warnings_of(batch(PLAIN[:2]), "auto") == [
-        "all 2 trajectories carrying reasoning share one prompt (group_id): cross-scoring needs 2 or more, so the "
-        "batch has no input-dependence figures"
+        "all 2 trajectories carrying reasoning share one prompt (group_id): cross-scoring needs 2 or more prompts, "
+        "so the batch has no chance-corrected retrieval and TemplateCollapse does not judge it"
     ]
     # Prompts count only with reasoning: 4 groups, of which 3 carry it
     assert "3 prompts" in warnings_of(batch(["<think>a</think>"] * 6 + ["none"] * 2), "think_tags")[0]
