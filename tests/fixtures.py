@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, func, select, text
+from sqlalchemy.orm import Session
 
 from bench import serving
 from bench.serving import PG_ADMIN_URL
 from service.app import create_app
 from service.settings import Settings
 from service.storage.database import migrate
+from service.storage.tables import MetricPoint
 
 
 def _postgres_or_skip() -> None:
@@ -265,3 +267,14 @@ def run_figures(rng: random.Random, regime: int) -> dict[str, float]:
         "valid_thinking_rate": 0.0 if regime == 4 else rng.choice([0.0, 0.5, 1.0]),
         "truncated_think_ratio": rng.choice([0.0, 0.3]),
     }
+
+
+def points_of(session: Session, batch_id: str) -> tuple[int, int]:
+    """(points, distinct (sampler, name) pairs) a batch stored: equal when each figure was stored once."""
+    points = session.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.batch_id == batch_id))
+    distinct = session.scalar(
+        select(func.count()).select_from(
+            select(MetricPoint.sampler, MetricPoint.name).where(MetricPoint.batch_id == batch_id).distinct().subquery()
+        )
+    )
+    return int(points or 0), int(distinct or 0)

@@ -13,7 +13,7 @@ from service.jobs.worker import Worker
 from service.storage import queue
 from service.storage.database import make_engine, make_sessions, migrate
 from service.storage.tables import Batch, EmaRecord, MetricPoint
-from tests.fixtures import trajectories, wait_for
+from tests.fixtures import points_of, trajectories, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -135,15 +135,7 @@ def test_an_expired_lease_is_claimed_again_and_scored_once(database_url, setting
     with sessions() as session:
         batch = session.get_one(Batch, batch_id)
         assert (batch.status, batch.attempts) == ("done", 2)
-        points = session.scalar(select(func.count()).select_from(MetricPoint).where(MetricPoint.batch_id == batch_id))
-        distinct = session.scalar(
-            select(func.count()).select_from(
-                select(MetricPoint.sampler, MetricPoint.name)
-                .where(MetricPoint.batch_id == batch_id)
-                .distinct()
-                .subquery()
-            )
-        )
+        points, distinct = points_of(session, batch_id)
         assert points == distinct
         assert points
     # The dead worker's late completion is refused: it no longer holds the lease.

@@ -20,7 +20,7 @@ from service.jobs.worker import Worker
 from service.settings import VllmClientSettings, VllmEndpoint
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, MetricPoint
-from tests.fixtures import wait_for
+from tests.fixtures import points_of, wait_for
 from tests.vllm.server import CACHE
 
 pytestmark = pytest.mark.vllm
@@ -190,15 +190,7 @@ def test_a_server_killed_mid_batch_leaves_the_batch_to_be_retried_and_scored_onc
             assert (batch.status, batch.attempts) == ("done", 1), batch.error
             assert batch.result is not None
             assert batch.result["scored_by"]["engine"] == "vllm"
-            points = session.scalar(select(func.count()).where(MetricPoint.batch_id == batch_id))
-            distinct = session.scalar(
-                select(func.count()).select_from(
-                    select(MetricPoint.sampler, MetricPoint.name)
-                    .where(MetricPoint.batch_id == batch_id)
-                    .distinct()
-                    .subquery()
-                )
-            )
+            points, distinct = points_of(session, batch_id)
             assert points == distinct
             assert points
     finally:
