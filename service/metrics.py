@@ -184,6 +184,16 @@ class ServiceMetrics:
         )
         for reason in rejection_reasons:
             self.rejections.labels(reason)
+        self.segments_started = Counter(
+            "segments_started",
+            "Batches whose step went back below one the run had taken and started a segment (a resume, or two "
+            "uploaders racing), by stream (rollouts, matrix).",
+            ["stream"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        for stream in ("rollouts", "matrix"):
+            self.segments_started.labels(stream)
 
 
 class SnapshotCache:
@@ -405,6 +415,8 @@ def catalogue_markdown() -> str:
         f"| `{NAMESPACE}_scorer_tokens_per_second` | gauge | Scorer throughput over the last 20 scored batches. |",
         f"| `{NAMESPACE}_requests_total` | counter (`method`, `route`, `status`) | HTTP requests of this process. |",
         f"| `{NAMESPACE}_rejections_total` | counter (`reason`) | Requests refused, by reason. |",
+        f"| `{NAMESPACE}_segments_started_total` | counter (`stream`) | Batches (`rollouts`, `matrix`) whose step went "
+        "back and started a segment: a resume, or two uploaders racing. |",
         f"| `{NAMESPACE}_database_up` | gauge | 1 when the last scrape could read the database. |",
         f"| `{NAMESPACE}_series_dropped` | gauge | Diagnostic series left out by `max_exported_series`. |",
         f"| `{NAMESPACE}_alerts` | gauge (`run`, `sampler`, `rule`, `severity`, `state`) | 1 per active alert. |",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Annotated
@@ -38,6 +39,7 @@ from service.storage.tables import iso_time
 
 # AccessFirst: the body routes check access on the headers, then parse the body off the event loop.
 router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=AccessFirst)
+log = logging.getLogger("collapse_monitor.api")
 
 BATCH_EXAMPLE = {
     "step": 12,
@@ -134,13 +136,24 @@ def ingest_batch(
     body: Annotated[BatchIn, Body(openapi_examples={"two groups": {"value": BATCH_EXAMPLE}})],
 ) -> BatchAccepted:
     """Accepts one training step's rollouts; answers before any scoring (follow ``status_url``)."""
-    return batches.ingest_rollouts(state.sessions, state.settings, run, raw, body)
+    accepted = batches.ingest_rollouts(state.sessions, state.settings, run, raw, body)
+    _note_resume(state, run, "rollouts", accepted)
+    return accepted
 
 
 @router.post("/{run}/matrices", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
-    return matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
+    accepted = matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
+    _note_resume(state, run, "matrix", accepted)
+    return accepted
+
+
+def _note_resume(state: AppState, run: str, stream: str, accepted: BatchAccepted) -> None:
+    """Counts and logs a batch that started a segment: a step going back is never silent (docs/api.md)."""
+    if accepted.resumed:
+        state.metrics.segments_started.labels(stream).inc()
+        log.warning("run %r, %s: %s", run, stream, accepted.warnings[0])  # the resume's warning comes first
 
 
 @router.post(

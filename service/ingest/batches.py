@@ -27,7 +27,7 @@ from service.ingest.limits import (
     store_payload,
 )
 from service.ingest.pace import run_pace
-from service.ingest.runs import require_run, segment_for
+from service.ingest.runs import require_run, resume_warning, segment_for
 from service.jobs.reasoning import Found, ingest_warnings, reasoning_summary
 from service.jobs.recording import finish_done
 from service.jobs.reward_figures import batch_figures
@@ -47,7 +47,7 @@ def ingest_rollouts(
     # After the commit: the warnings split every turn (linear in the text, but up to 32 MB of it),
     # which no transaction needs to wait for; a step off the schedule had it split for its figures.
     found = found or reasoning_summary(payload, extraction)
-    warnings = ingest_warnings(payload, extraction, found) + ([lag] if lag else [])
+    warnings = accepted.warnings + ingest_warnings(payload, extraction, found) + ([lag] if lag else [])
     return accepted.model_copy(update={"warnings": warnings})
 
 
@@ -77,10 +77,15 @@ def _commit_rollouts(
         figures = None if found is None else batch_figures(payload, snapshot, found)
         seconds = time.perf_counter() - started
         checkpoint = runs.latest_checkpoint(session, run.id) if run.scorer_mode == "policy" else None
+        # A step below the one a worker took starts a segment: answered with a warning, never refused. Unlike a
+        # matrix's (scored inside the request, so a later step stored meanwhile shows a race: 409), a rollouts
+        # race has no sign of its own: the later step was taken seconds earlier, and after a trainer's crash its
+        # last steps are as often still queued or being scored when it resumes, so a 409 would refuse real resumes.
+        segment = segment_for(session, run, payload.step)
         batch = new_batch(
             run.id,
             payload.step,
-            segment_for(session, run, payload.step),
+            segment.number,
             payload.idempotency_key,
             "rollouts",
             raw,
@@ -97,6 +102,9 @@ def _commit_rollouts(
             replayed = replay_after_race(sessions, run_name, payload.idempotency_key, payload.step, raw, digest)
             return replayed, extraction, None, None
         accepted = accepted_answer(batch)
+        resumed = resume_warning(run.name, payload.step, segment)
+        if resumed is not None:
+            accepted = accepted.model_copy(update={"resumed": True, "warnings": [resumed]})
         if payload.figures:
             record_trainer_figures(session, run.id, batch, payload.figures)
         if figures is not None:

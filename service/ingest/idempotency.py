@@ -63,6 +63,7 @@ def accepted_answer(batch: Batch, replayed: bool = False) -> BatchAccepted:
         status=batch.status,  # type: ignore[arg-type]  # the column only ever holds a BatchState
         status_url=f"/v1/batches/{batch.id}",
         replayed=replayed,
+        segment=batch.segment,
     )
 
 

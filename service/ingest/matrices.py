@@ -17,7 +17,7 @@ from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, t
 from service.errors import Conflict, InvalidRequest, NotFound, StepConflict, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
 from service.ingest.limits import check_size, store_payload
-from service.ingest.runs import require_run, segment_for
+from service.ingest.runs import require_run, resume_warning, segment_for
 from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
 from service.schemas.inputs import InputError, MatrixBatchIn
@@ -90,7 +90,7 @@ def ingest_matrix(
                 batch = new_batch(
                     run.id,
                     payload.step,
-                    segment,
+                    segment.number,
                     payload.idempotency_key,
                     "matrix",
                     raw,
@@ -107,6 +107,9 @@ def ingest_matrix(
                 else:
                     finish_done(session, run, batch.id, None, scored, seconds, settings)
                     answer = accepted_answer(batch).model_copy(update={"status": "done"})
+                    resumed = resume_warning(run.name, payload.step, segment, payload.sampler)
+                    if resumed is not None:
+                        answer = answer.model_copy(update={"resumed": True, "warnings": [resumed]})
                     return MatrixAccepted(**answer.model_dump(), results=scored.result)
         if replay is not None:
             return replay

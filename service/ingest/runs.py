@@ -29,7 +29,9 @@ def require_run(session: Session, name: str) -> Run:
     return run
 
 
-def segment_for(session: Session, run: Run | RunSnapshot, step: int, *, matrix_sampler: str | None = None) -> int:
+def segment_for(
+    session: Session, run: Run | RunSnapshot, step: int, *, matrix_sampler: str | None = None
+) -> runs.Segment:
     """The segment a batch of ``step`` joins (``runs.advance_segment``), or 404 when the run was just deleted.
 
     The run was read earlier in the transaction; a concurrent ``DELETE /v1/runs/{run}`` may have
@@ -39,6 +41,27 @@ def segment_for(session: Session, run: Run | RunSnapshot, step: int, *, matrix_s
     if segment is None:
         raise NotFound(f"run {run.name!r} was deleted while this request was being handled", field="run")
     return segment
+
+
+def resume_warning(run_name: str, step: int, segment: runs.Segment, matrix_sampler: str | None = None) -> str | None:
+    """What the answer says of a batch that started a segment (None when it joined the current one).
+
+    The server cannot tell a resume from two uploaders racing (see docs/api.md, "Resumes and
+    out-of-order uploads"); only the uploader knows, so the answer says both readings and the fix.
+    """
+    if segment.went_back_below is None:
+        return None
+    newer = (
+        f"step {segment.went_back_below}, the newest of sampler {matrix_sampler!r}"
+        if matrix_sampler is not None
+        else f"step {segment.went_back_below}, already taken for scoring"
+    )
+    return (
+        f"step {step} went back below {newer}: run {run_name!r} starts segment {segment.number} here, read as a "
+        f"resume (reads show segment {segment.number} from step {step} on; the points it replaces stay readable with "
+        "segments=all). If the trainer did not resume, two uploaders are sending this run's steps: send a run's "
+        "steps from one uploader, in step order."
+    )
 
 
 def run_settings(run: Run) -> RunCreate:

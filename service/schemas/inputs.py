@@ -382,10 +382,19 @@ class BatchAccepted(_Strict):
     status: BatchState
     status_url: str
     replayed: bool = Field(False, description="True when this answers an identical replay of an earlier request.")
+    segment: int = Field(
+        0, description="The run's segment the batch joined: 0, then one more at every resume (a step going back)."
+    )
+    resumed: bool = Field(
+        False,
+        description="True when this batch started `segment`: its step went back below one the run had already "
+        "taken (a resume; a warning says which). Reads show the new segment from this step on.",
+    )
     warnings: list[str] = Field(
         default_factory=list,
         description="What will keep the batch from being scored, found at ingest (e.g. no turn carries reasoning "
-        "under the run's reasoning_extraction); the batch is stored all the same.",
+        "under the run's reasoning_extraction), and a step that went back and started a segment; the batch is "
+        "stored all the same.",
     )
 
 

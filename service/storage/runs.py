@@ -7,7 +7,7 @@ fastapi.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import and_, case, func, or_, select, true, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -40,7 +40,14 @@ def last_steps(session: Session, run_ids: Sequence[int]) -> dict[int, int]:
     return {int(run_id): int(step) for run_id, step in rows}
 
 
-def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> int | None:
+class Segment(NamedTuple):
+    """The segment a batch joins; ``went_back_below``: when the batch started it, the step it went back below."""
+
+    number: int
+    went_back_below: int | None = None
+
+
+def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler: str | None = None) -> Segment | None:
     """The segment of a batch of ``step`` arriving now (None: the run is gone); ``matrix_sampler`` for a matrix.
 
     A step below one already taken for scoring starts a new segment (the trainer resumed from an
@@ -50,23 +57,30 @@ def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler:
     for scoring (``claimed_step``), a matrix (scored at once) with the newest step of its own
     sampler's figures in the segment. So a matrix under a sampler name of its own, whatever its
     step, never starts a segment at the rollouts' next batch; a resume of any stream starts one
-    for the whole run. One UPDATE, so concurrent ingests of a run serialize on its row.
+    for the whole run. The first statement takes the run's row lock (concurrent ingests of a run
+    serialize on it: queued on Postgres, behind the one writer on SQLite), so the step compared
+    with is the one the answer names.
     """
-    if matrix_sampler is None:
-        resumes = and_(Run.claimed_step.is_not(None), step < Run.claimed_step)
-    else:
-        resumes = step < _newest_of(matrix_sampler)  # NULL (not a resume) before the sampler's first figures
-    segment = session.scalar(
+    locked = session.execute(
         update(Run)
         .where(Run.id == run_id)
-        .values(
-            segment=case((resumes, Run.segment + 1), else_=Run.segment),
-            claimed_step=case((resumes, None), else_=Run.claimed_step),
-        )
-        .returning(Run.segment)
+        .values(segment=Run.segment)  # the lock, and the run as it stands under it
+        .returning(Run.segment, Run.claimed_step)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    if locked is None:
+        return None
+    segment, claimed = int(locked[0]), locked[1]
+    newest = claimed if matrix_sampler is None else newest_matrix_step(session, run_id, matrix_sampler)
+    if newest is None or step >= newest:  # None: nothing taken yet (or the sampler's first figures)
+        return Segment(segment)
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(segment=segment + 1, claimed_step=None)
         .execution_options(synchronize_session=False)
     )
-    return int(segment) if segment is not None else None
+    return Segment(segment + 1, went_back_below=int(newest))
 
 
 def _newest_of(sampler: str) -> Any:

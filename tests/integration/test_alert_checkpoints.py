@@ -54,11 +54,12 @@ class Service:
             if self.whole_replays:
                 session.execute(delete(AlertCheckpoint))
             segment = runs.advance_segment(session, self.run.id, step, matrix_sampler=SAMPLER)
+            assert segment is not None
             batch = Batch(
                 id=uuid.uuid4().hex,
                 run_id=self.run.id,
                 step=step,
-                segment=segment,
+                segment=segment.number,
                 kind="matrix",
                 payload="",
                 payload_sha256="",

@@ -68,6 +68,8 @@ def test_a_batch_is_accepted_before_scoring_and_replays_answer_the_same(paused, 
         "status": "queued",
         "status_url": f"/v1/batches/{first['batch_id']}",
         "replayed": False,
+        "segment": 0,
+        "resumed": False,
         "warnings": [],
     }
     # Same content, keys in another order and other spacing: the original batch.

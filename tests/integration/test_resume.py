@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -75,6 +76,67 @@ def test_alerts_follow_the_newest_segment_and_fire_again_after_a_resume(client):
     feed(client, [0.0] * 4, start=7, key="b")  # collapses again
     states = {(a["state"], a["onset_step"]) for a in client.get("/v1/runs/r/alerts").json()}
     assert ("firing", 7) in states
+
+
+def started(client) -> dict[str, float]:
+    """``collapse_monitor_segments_started_total`` by stream."""
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        if family.name == "collapse_monitor_segments_started":
+            return {s.labels["stream"]: s.value for s in family.samples if s.name.endswith("_total")}
+    return {}
+
+
+def test_a_matrix_step_that_went_back_is_answered_with_its_new_segment_a_warning_and_counted(client, caplog):
+    feed(client, [2.0] * 6)  # steps 1..6
+    assert started(client) == {"rollouts": 0, "matrix": 0}
+    body = dependence_matrix(3, 0.5) | {"sampler": "matrix", "batch_id": "b-3"}
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor.api"):
+        answer = client.post("/v1/runs/r/matrices", json=body).json()
+    assert (answer["segment"], answer["resumed"]) == (1, True)
+    (warning,) = answer["warnings"]
+    assert warning.startswith("step 3 went back below step 6, the newest of sampler 'matrix': run 'r' starts segment 1")
+    assert "segments=all" in warning
+    assert "send a run's steps from one uploader, in step order" in warning
+    assert started(client) == {"rollouts": 0, "matrix": 1}
+    assert [r.getMessage() for r in caplog.records] == [f"run 'r', matrix: {warning}"]
+    replay = client.post("/v1/runs/r/matrices", json=body).json()  # the answer to a replay started nothing
+    assert (replay["replayed"], replay["segment"], replay["resumed"], replay["warnings"]) == (True, 1, False, [])
+    after = client.post("/v1/runs/r/matrices", json=dependence_matrix(4, 0.5) | {"batch_id": "b-4"}).json()
+    assert (after["segment"], after["resumed"]) == (1, False)
+    assert started(client) == {"rollouts": 0, "matrix": 1}
+
+
+def test_a_rollouts_step_below_the_one_taken_for_scoring_is_answered_with_its_new_segment_a_warning_and_counted(
+    database_url, client_for, caplog
+):
+    client = client_for(database_url, scoring_paused=True)
+    client.post("/v1/runs", json={"name": "r", "sampler": {"num_samples": 4, "samplers": ["first_turn"]}})
+    sessions = client.app.state.monitor.sessions
+    for step in (1, 2, 3):
+        answer = client.post("/v1/runs/r/batches", json={"step": step, "trajectories": trajectories()}).json()
+        assert (answer["segment"], answer["resumed"]) == (0, False)
+        with sessions.begin() as session:  # a worker takes the step for scoring
+            claimed = queue.claim_batch(session, "w#1", 60, max_attempts=3)
+            assert claimed is not None
+            assert claimed.step == step
+            queue.finish_batch(session, claimed.id, "w#1", status="done")
+    resumed = {"step": 2, "trajectories": trajectories(per_group=2)}  # other rollouts
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor.api"):
+        answer = client.post("/v1/runs/r/batches", json=resumed)
+    assert answer.status_code == 202
+    assert (answer.json()["segment"], answer.json()["resumed"]) == (1, True)
+    (warning,) = answer.json()["warnings"]
+    assert warning.startswith("step 2 went back below step 3, already taken for scoring: run 'r' starts segment 1 here")
+    assert "reads show segment 1 from step 2 on" in warning
+    assert "two uploaders are sending this run's steps" in warning
+    assert started(client) == {"rollouts": 1, "matrix": 0}
+    assert [r.getMessage() for r in caplog.records] == [f"run 'r', rollouts: {warning}"]
+    with sessions() as session:
+        assert session.get_one(Batch, answer.json()["batch_id"]).segment == 1
+    # The steps after it go on in the new segment, silently: nothing of it has been taken yet.
+    after = client.post("/v1/runs/r/batches", json={"step": 3, "trajectories": trajectories(per_group=2)}).json()
+    assert (after["segment"], after["resumed"], after["warnings"]) == (1, False, [])
+    assert started(client) == {"rollouts": 1, "matrix": 0}
 
 
 def wait_points(client, n: int, timeout: float = 60.0) -> list[dict]:
@@ -185,6 +247,8 @@ def test_a_matrix_step_that_went_back_while_a_later_one_was_stored_is_refused_na
     assert "step 4 of sampler 'matrix'" in refused.json()["detail"]
     assert "step 5" in refused.json()["detail"]
     assert [(p["step"], p["segment"]) for p in series(first)] == [(1, 0), (2, 0), (3, 0), (5, 0)]  # no new segment
-    # Sent again on its own, a step that goes back is a resume.
-    assert first.post("/v1/runs/r/matrices", json=step_4).status_code == 201
+    # Sent again on its own, a step that goes back is a resume, and said to be one.
+    resent = first.post("/v1/runs/r/matrices", json=step_4)
+    assert resent.status_code == 201
+    assert (resent.json()["segment"], resent.json()["resumed"]) == (1, True)
     assert [(p["step"], p["segment"]) for p in series(first)] == [(1, 0), (2, 0), (3, 0), (4, 1)]
