@@ -56,6 +56,22 @@ def test_a_rerun_under_the_same_name_replays_identical_steps_and_adds_changed_on
     second.close()
 
 
+def test_a_step_below_one_already_scored_is_logged_with_the_services_resume_warning(
+    service, run_name, tmp_path, caplog
+):
+    with Monitor(service.url, run_name, spool_dir=tmp_path, schedule={"every": 1}) as first:
+        for step in (1, 2, 3):
+            first.log(step, trajectories(step))
+    service.wait_until_processed(run_name, 3)  # step 3 taken for scoring: a step 2 now starts a segment
+    resumed = Monitor(service.url, run_name, spool_dir=tmp_path, schedule={"every": 1})
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
+        resumed.log(2, trajectories(2, per_group=3))
+        assert resumed.flush(30)
+    assert f"step 2 went back below step 3, already taken for scoring: run {run_name!r} starts segment 1" in caplog.text
+    assert resumed.stats().server_warnings == 1
+    resumed.close()
+
+
 def test_run_settings_pass_through_and_other_settings_attach_with_a_warning(service, run_name, tmp_path, caplog):
     monitor = Monitor(
         service.url,
