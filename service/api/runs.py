@@ -141,7 +141,18 @@ def ingest_batch(
     return accepted
 
 
-@router.post("/{run}/matrices", status_code=status.HTTP_201_CREATED, dependencies=[WritesRun])
+@router.post(
+    "/{run}/matrices",
+    status_code=status.HTTP_201_CREATED,
+    responses={
+        404: {"description": "Unknown run"},
+        409: {
+            "description": "a step that went back while a later step of its sampler was stored by another upload "
+            "(error code step_conflict), or an idempotency_key sent again with different content (batch_id_conflict)"
+        },
+    },
+    dependencies=[WritesRun],
+)
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
     accepted = matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
