@@ -54,6 +54,9 @@ class CrossScores:
         tokens_processed: tokens that went through the model (padding excluded).
         L_head: per head budget k (``ScoringConfig.head_tokens``), [R, N] float64: the sum over
             z_r's first min(T_r, k) tokens only.
+        matched_logprobs: R arrays of [T_r] float64: log p(z_r[t] | x_r, z_r[:t]) of the matched
+            pair (row r under its own prompt), the terms the diagonal L_seq[r, own column] sums;
+            compared with the trainer's own log-probs (``scoring.logprob_gap``).
     """
 
     L_seq: np.ndarray
@@ -61,6 +64,7 @@ class CrossScores:
     token_entropy: tuple[np.ndarray, ...]
     tokens_processed: int
     L_head: dict[int, np.ndarray] = field(default_factory=dict)
+    matched_logprobs: tuple[np.ndarray, ...] = ()
 
     @property
     def L_tok(self) -> np.ndarray:
@@ -103,6 +107,7 @@ def score_batch(
         token_entropy=tuple(run.entropy),
         tokens_processed=run.tokens_processed,
         L_head={k: L[:, prompt_of_column] for k, L in run.L_head.items()},
+        matched_logprobs=tuple(run.matched),
     )
 
 
@@ -137,6 +142,7 @@ def pair_scores(
         tokens_processed: tokens the scorer ran.
     """
     prompts, prompt_of_column = _distinct_prompts(batch.column_prompts)
+    prompt_of_row = prompt_of_column[np.asarray(batch.column_of_row)]  # [R]
     _, pairs = scored_pairs(batch)
     missing = set(pairs) - token_logprobs.keys()
     assert not missing, f"pairs without log-probs: {sorted(missing)[:5]}"
@@ -154,6 +160,7 @@ def pair_scores(
         token_entropy=tuple(np.empty(0) for _ in range(batch.n_rows)),
         tokens_processed=tokens_processed,
         L_head={k: head[:, prompt_of_column] for k, head in L_head.items()},
+        matched_logprobs=tuple(token_logprobs.get((int(u), r), np.empty(0)) for r, u in enumerate(prompt_of_row)),
     )
 
 
@@ -302,6 +309,7 @@ class _Run:
         self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
         self.L_head = {k: np.zeros_like(self.L) for k in config.head_tokens}  # k -> [R, U], first k tokens
         self.entropy = [np.full(len(z), np.nan) for z in reasonings]
+        self.matched = [np.full(len(z), np.nan) for z in reasonings]  # the matched pairs' token log-probs
         self.tokens_processed = 0
 
     def forward(self, sequences: Sequence[Tokens], start_positions: Sequence[int], plan: CascadePlan) -> torch.Tensor:
@@ -411,8 +419,9 @@ class _Run:
                 self.L[rows, u] += logp[i]
                 for L_head in self.L_head.values():
                     L_head[rows, u] += logp[i]
-                for r in rows[self.prompt_of_row[rows] == u]:
-                    self.entropy[r][0] = entropy[i]
+                for at in np.flatnonzero(self.prompt_of_row[rows] == u):
+                    self.entropy[rows[at]][0] = entropy[i]
+                    self.matched[rows[at]][0] = logp[i, at]
 
     def score_pairs(self, pairs: list[tuple[int, int]], prompts: Sequence[Tokens]) -> None:
         """Runs z_r[:-1] for each (prompt, row) pair after its prompt's nodes."""
@@ -435,6 +444,7 @@ class _Run:
         per_position = torch.zeros(valid.shape, dtype=torch.float64, device=self.device)
         per_position[valid] = logp
         sums = per_position.sum(dim=1).cpu().numpy()
+        per_position_np = per_position.cpu().numpy()  # [B, Q]: the matched pairs' rows are kept
         # Position q scores token q + 1: the first k tokens are the first token and positions < k - 1.
         head_sums = {k: per_position[:, : k - 1].sum(dim=1).cpu().numpy() for k in self.L_head}
         entropy_rows = torch.full(valid.shape, float("nan"), dtype=torch.float64, device=self.device)
@@ -446,6 +456,7 @@ class _Run:
                 L_head[r, u] += head_sums[k][b]
             if self.prompt_of_row[r] == u:
                 self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[r]) - 1]
+                self.matched[r][1:] = per_position_np[b, : len(self.reasonings[r]) - 1]
 
 
 def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice | None:

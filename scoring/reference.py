@@ -31,6 +31,7 @@ def score_batch_naive(
     L_seq = np.zeros((n_rows, n_cols), dtype=np.float64)
     L_head = {k: np.zeros_like(L_seq) for k in head_tokens}
     entropy = [np.full(len(z), np.nan) for z in batch.reasonings]
+    matched = [np.full(len(z), np.nan) for z in batch.reasonings]
     tokens = 0
     with torch.inference_mode():
         for j, prompt in enumerate(batch.column_prompts):
@@ -61,10 +62,12 @@ def score_batch_naive(
                         L_head[k][r, j] = float(per_token[:k].sum())
                     if batch.column_of_row[r] == j:
                         entropy[r] = entropy_from_logprobs(logp[b, at]).double().cpu().numpy()
+                        matched[r] = per_token.cpu().numpy()
     return CrossScores(
         L_seq=L_seq,
         reasoning_lengths=batch.reasoning_lengths,
         token_entropy=tuple(entropy),
         tokens_processed=tokens,
         L_head=L_head,
+        matched_logprobs=tuple(matched),
     )

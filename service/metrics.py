@@ -145,6 +145,12 @@ EXPORTED = (
         "trainer_token_entropy_mean", "trainer_token_entropy_nats", "Mean of the token entropies the trainer sent."
     ),
     Exported(
+        "trainer_scorer_logprob_gap",
+        "trainer_scorer_logprob_gap_nats",
+        "Mean |trainer - scorer| log-probability per reasoning token on matched pairs, over the tokens scored "
+        "(turns that sent reasoning_logprobs).",
+    ),
+    Exported(
         "actor/entropy",
         "policy_token_entropy_nats",
         "The policy's mean token entropy over its own completions, as the trainer computed it (sampler trainer).",

@@ -8,11 +8,15 @@ loads torch): everything the batch writes comes back as one ``ScoredBatch``, whi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from scoring.budget import Plan, subset
+from scoring.cross_scores import CrossScores
 from scoring.dependence import scored_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
+from scoring.logprob_gap import LOGPROB_GAP, logprob_gap
 from scoring.partition import Extraction, turn_token_ids
 from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, sample_rows
 from scoring.window import sequence_limit
@@ -99,6 +103,7 @@ def score_rollouts(
         figures = {
             **token_entropy_stats(cross.token_entropy),
             **scored_signals(cross, batch, diagnostics, settings.head_tokens, seed=run.seed + index),
+            **trainer_gap(payload, rows.sources, cross),
         }
         excerpts = reasoning_excerpts(
             payload, rows.sources, rows.batch.column_of_row, cross.L_tok.shape[1], run.reasoning_extraction
@@ -147,6 +152,23 @@ def tokenized(payload: BatchIn, scorer: AnyScorer, extraction: Extraction = "thi
             turns.append(Turn(prompt_ids=x, reasoning_ids=z))
         trajectories.append(Trajectory(group_id=trajectory.group_id, turns=tuple(turns)))
     return trajectories
+
+
+def trainer_gap(payload: BatchIn, sources: Sequence[tuple[int, int]], cross: CrossScores) -> dict[str, float]:
+    """``trainer_scorer_logprob_gap`` over the sampler's rows whose turns sent ``reasoning_logprobs``: each
+    (trajectory, turn) once (the trajectory sampler draws with replacement), over the tokens the scorer
+    scored (a reasoning window keeps a reasoning's first tokens); empty when no turn sent any."""
+    trainer, scorer = [], []
+    seen = set()
+    for r, (m, k) in enumerate(sources):
+        logprobs = payload.trajectories[m].turns[k].reasoning_logprobs
+        if logprobs is None or (m, k) in seen:
+            continue
+        seen.add((m, k))
+        trainer.append(np.asarray(logprobs, dtype=np.float64))
+        scorer.append(cross.matched_logprobs[r])
+    gap = logprob_gap(trainer, scorer)
+    return {} if gap is None else {LOGPROB_GAP: gap}
 
 
 def _planned_rows(rows: SampledRows, plan: Plan) -> SampledRows:

@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -306,6 +307,30 @@ class TurnWithEntropy(TurnIn):
     token_entropies: list[Annotated[float, Field(ge=0, le=1e3, allow_inf_nan=False)]] | None = Field(
         None, description="Per-token entropies the trainer already computed for this turn's response (nats)."
     )
+    reasoning_logprobs: list[Annotated[float, Field(ge=-MAX_ABS_LOGPROB, le=0, allow_inf_nan=False)]] | None = Field(
+        None,
+        description="The trainer's log-probability (nats, <= 0) of each reasoning token as it was sampled, one per "
+        "reasoning_token_ids entry (token-id turns only: text is tokenized by the scorer). Gives the "
+        "trainer_scorer_logprob_gap series (docs/scoring.md, Trainer and scorer log-probs).",
+    )
+
+    @field_validator("reasoning_logprobs")
+    @classmethod
+    def _one_per_reasoning_token(cls, logprobs: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        if logprobs is None or "reasoning_token_ids" not in info.data:  # ids that failed report their own error
+            return logprobs
+        ids = info.data["reasoning_token_ids"]
+        if ids is None:
+            raise ValueError(
+                "needs reasoning_token_ids: the trainer's log-probs are of its own tokens, and text is tokenized by "
+                "the scorer; send the turn as token ids or leave reasoning_logprobs out"
+            )
+        if len(logprobs) != len(ids):
+            raise ValueError(
+                f"must hold one log-probability per reasoning token ({len(ids)} in reasoning_token_ids), "
+                f"got {len(logprobs)}"
+            )
+        return logprobs
 
 
 class TrajectoryIn(_Strict):

@@ -451,6 +451,13 @@ function renderStep(m) {
         m.scored_by
           ? ui.el("span", { class: "muted small", title: m.scored_by.server || "" }, ` · scored by ${m.scored_by.engine}, ${m.scored_by.model}, ${m.scored_by.dtype}`)
           : "",
+        metrics.trainer_scorer_logprob_gap !== undefined
+          ? ui.el(
+              "span",
+              { class: "muted small", title: "mean |trainer − scorer| log p per reasoning token, matched pairs (docs/scoring.md)" },
+              ` · trainer gap ${ui.num(metrics.trainer_scorer_logprob_gap)} nats/token`,
+            )
+          : "",
       ),
       ui.el(
         "div",

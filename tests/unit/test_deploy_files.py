@@ -5,6 +5,7 @@ tests/docker runs the stack for real where an engine can start; these checks run
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from service.settings import Settings, VllmEndpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -65,8 +68,13 @@ def test_the_image_runs_the_cli_as_a_numeric_non_root_user():
 
 @pytest.mark.parametrize(
     "files",
-    [("compose.yaml",), ("compose.yaml", "compose.gpu.yaml"), ("compose.yaml", "compose.test.yaml")],
-    ids=["stack", "gpu", "test"],
+    [
+        ("compose.yaml",),
+        ("compose.yaml", "compose.gpu.yaml"),
+        ("compose.yaml", "compose.test.yaml"),
+        ("compose.yaml", "compose.vllm.yaml"),
+    ],
+    ids=["stack", "gpu", "test", "vllm"],
 )
 def test_compose_accepts_the_stack_and_every_file_it_mounts_exists(files):
     config = compose_config(*files)
@@ -136,9 +144,40 @@ def test_the_env_example_lists_every_variable_the_compose_files_read_with_compos
         line.split("=", 1) for line in (DOCKER / ".env.example").read_text().splitlines() if line and line[0] != "#"
     )
     read: dict[str, str] = {}
-    for name in ("compose.yaml", "compose.gpu.yaml"):
+    for name in ("compose.yaml", "compose.gpu.yaml", "compose.vllm.yaml"):
         read |= dict(re.findall(r"\$\{([A-Z_]+):-([^}]*)\}", (DOCKER / name).read_text()))
     assert example == read
+
+
+def test_the_vllm_override_points_the_stacks_scorer_at_its_vllm_server_as_the_settings_parse_it(monkeypatch):
+    services = compose_config("compose.yaml", "compose.vllm.yaml")["services"]
+    vllm, worker = services["vllm"], services["worker"]
+    assert vllm["image"].startswith("vllm/vllm-openai:")
+    assert "ports" not in vllm  # reached on the stack's network only
+    (device,) = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert (device["driver"], device["capabilities"]) == ("nvidia", ["gpu"])
+    # The worker's environment, read as the container's Settings read it.
+    for key in [key for key in os.environ if key.startswith("COLLAPSE_MONITOR_")]:
+        monkeypatch.delenv(key)
+    for key, value in worker["environment"].items():
+        monkeypatch.setenv(key, value)
+    settings = Settings(_env_file=None)
+    endpoint = VllmEndpoint.parse(settings.scorers[settings.default_scorer])
+    assert endpoint is not None
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in vllm["command"])
+    assert endpoint == VllmEndpoint(
+        url=f"http://vllm:{flags['port']}",
+        model=flags["served-model-name"],
+        tokenizer=flags["model"],
+        dtype=flags["dtype"],
+    )
+    # The tokenizer the worker checks against the server is the served model's folder, from the same volume.
+    assert {m["target"]: m["source"] for m in worker["volumes"]}["/models"] == vllm["volumes"][0]["source"]
+    assert vllm["volumes"][0]["target"] == "/models"
+    assert (
+        services["api"]["environment"]["COLLAPSE_MONITOR_SCORERS"] == worker["environment"]["COLLAPSE_MONITOR_SCORERS"]
+    )
+    assert services["api"]["environment"]["COLLAPSE_MONITOR_ALLOW_INSECURE_BIND"] == "true"  # the base's, kept
 
 
 def test_the_api_states_how_it_binds_without_tokens_and_prometheus_says_how_to_scrape_with_one():

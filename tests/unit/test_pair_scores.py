@@ -44,6 +44,8 @@ def test_sums_of_per_pair_log_probs_equal_the_kernels_scores(llama64, make):
         np.testing.assert_allclose(pairs.L_head[k], kernel.L_head[k], atol=1e-9)
     np.testing.assert_allclose(pairs.L_tok, kernel.L_tok, atol=1e-9)
     assert [len(e) for e in pairs.token_entropy] == [0] * batch.n_rows  # no distribution: no entropy
+    for a, b in zip(pairs.matched_logprobs, kernel.matched_logprobs, strict=True):  # the trainer gap's input
+        np.testing.assert_allclose(a, b, atol=1e-9)
 
 
 def test_log_probs_of_the_wrong_length_are_refused_naming_the_row(llama64):
