@@ -15,7 +15,15 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 # A turn given at the top level of a trajectory (single-turn shorthand) is made of these keys.
-TURN_KEYS = ("prompt", "prompt_token_ids", "response", "reasoning", "reasoning_token_ids", "token_entropies")
+TURN_KEYS = (
+    "prompt",
+    "prompt_token_ids",
+    "response",
+    "reasoning",
+    "reasoning_token_ids",
+    "token_entropies",
+    "reasoning_logprobs",
+)
 TEXT_KEYS = ("prompt", "response", "reasoning")
 TOKEN_ID_KEYS = ("prompt_token_ids", "reasoning_token_ids")
 GROUP_KEYS = ("group_id", "group")
@@ -88,12 +96,13 @@ def _turn(turn: Any, where: str) -> dict[str, Any]:
     for key in TOKEN_ID_KEYS:
         if key in out:
             out[key] = _token_ids(out[key], f"{where}.{key}")
-    if out.get("token_entropies") is not None:
-        values = _as_list(out["token_entropies"])
-        entropies = [float(v) for v in values]
-        if not all(math.isfinite(v) for v in entropies):
-            raise TrajectoryError(f"{where}.token_entropies must be finite numbers")
-        out["token_entropies"] = entropies
+    # Per-token floats the trainer already has (tensors or arrays welcome): sent as plain finite numbers.
+    for key in ("token_entropies", "reasoning_logprobs"):
+        if out.get(key) is not None:
+            values = [float(v) for v in _as_list(out[key])]
+            if not all(math.isfinite(v) for v in values):
+                raise TrajectoryError(f"{where}.{key} must be finite numbers")
+            out[key] = values
     return out
 
 

@@ -49,6 +49,23 @@ def test_multi_turn_trajectories_keep_their_turns_in_order_with_token_ids_as_pla
     ]
 
 
+def test_a_flat_trajectory_carries_the_trainers_logprobs_into_its_turn():
+    rows = normalize(
+        [
+            {
+                "group_id": 0,
+                "reward": 1,
+                "prompt_token_ids": [1],
+                "reasoning_token_ids": [2, 3],
+                "reasoning_logprobs": IdTensor([-1, -0.5]),
+            }
+        ]
+    )
+    assert rows[0]["turns"] == [
+        {"prompt_token_ids": [1], "reasoning_token_ids": [2, 3], "reasoning_logprobs": [-1.0, -0.5]}
+    ]
+
+
 @pytest.mark.parametrize("missing", [None, math.nan, math.inf, -math.inf])
 def test_missing_rewards_travel_as_null(missing):
     rows = normalize([{"group_id": 0, "reward": missing, "prompt": "p", "response": "r"}])
@@ -88,6 +105,18 @@ def test_without_group_ids_identical_prompts_form_one_group():
         (
             [{"group_id": 0, "reward": 0, "prompt": "p", "response": "r", "token_entropies": [math.nan]}],
             r"token_entropies must be finite",
+        ),
+        (
+            [
+                {
+                    "group_id": 0,
+                    "reward": 0,
+                    "prompt": "p",
+                    "reasoning_token_ids": [1],
+                    "reasoning_logprobs": [-math.inf],
+                }
+            ],
+            r"reasoning_logprobs must be finite",
         ),
     ],
 )
