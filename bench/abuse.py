@@ -19,7 +19,13 @@ paused: the server's growth over the body, its answer and the longest concurrent
 then N such bodies at once, a 503 ``parsing_busy`` retried after ``Retry-After``) and
 anonymous_body (an N MB malformed body sent without a token to a server that has one: the answer
 and its time), empty_trajectories (a batch of N ``{}`` trajectories: the 422/413's size and time,
-the growth, the longest concurrent ``GET /v1/runs``). ``--pythonpath`` runs the server from another
+the growth, the longest concurrent ``GET /v1/runs``). Issue 29's other findings: filter_trues and unknown_keys
+(N errors in a filter or a run; the same measures), unread_series (K clients that never read a long
+series: what the server still holds after 30 s, its memory, others' waits), slow_clients (K silent,
+slow-head and slow-body connections: what the server holds after its deadlines), many_runs (N runs
+created without a token: the first page of ``GET /v1/runs``, ``/v1/overview``, the answer past the
+limit), forwarded_for (a rotating ``X-Forwarded-For`` against the rate limiter) and storage_quota
+(off-schedule batches past ``max_stored_bytes_per_run``). ``--pythonpath`` runs the server from another
 checkout (``git archive <commit> | tar -x -C /tmp/old``) to compare in one session.
 """
 
@@ -193,21 +199,24 @@ def filter_groups(groups: int) -> dict:
 
 def refused(srv: Server, path: str, body: bytes) -> dict:
     """``body`` posted to ``path`` while another client polls ``GET /v1/runs``: the answer's status, size
-    (and error code), time, the server's growth and the other client's longest wait."""
+    (and error code), time, the server's growth and the other client's longest wait and statuses (0: its
+    connection failed)."""
     answer: list[httpx.Response] = []
 
     def send() -> httpx.Response:
         answer.append(httpx.post(srv.base + path, content=body, headers=JSON, timeout=600))
         return answer[0]
 
-    with others_polling(srv, 600, pause=0.05) as waits:
+    with others_reading(srv, ["/v1/runs"], pause=0.05) as seen:
         point = measured(srv, send)
     error = answer[0].json().get("error") if answer[0].headers.get("content-type") == "application/json" else None
+    polls = seen["/v1/runs"]
     return point | {
         "error": error,
         "bytes": len(body),
         "answer_bytes": len(answer[0].content),
-        "others_max_seconds": round(max(waits, default=0.0), 3),
+        "others_max_seconds": round(max((seconds for seconds, _ in polls), default=0.0), 3),
+        "others_statuses": dict(Counter(status for _, status in polls)),
     }
 
 
@@ -222,11 +231,24 @@ def empty_trajectories(trajectories: int) -> dict:
 
 def filter_trues(rewards: int) -> dict:
     """``POST /v1/filter`` (open to any reader) whose rewards are ``rewards`` times ``true``, one error each
-    (issue 29: 1M, 5 MB, made a 126 MB 422 and +1.4 GB; two at once peaked at 3.1 GB)."""
-    body = b'{"rewards": [' + b",".join([b"true"] * rewards) + b"]}"
+    (issue 29: 1M, 5 MB, made a 126 MB 422 and +1.4 GB; two at once peaked at 3.1 GB). In groups of 100,
+    so that 1M stays within both max_filter_groups (10,000) and max_filter_rewards (1M): a flat list of
+    1M is refused for its group count before validation."""
+    group = b"[" + b",".join([b"true"] * 100) + b"]"
+    body = b'{"rewards": [' + b",".join([group] * (rewards // 100)) + b"]}"
     with server() as srv:
         httpx.post(srv.base + "/v1/filter", content=filter_body(10), headers=JSON, timeout=60)
         return refused(srv, "/v1/filter", body)
+
+
+def empty_turns(turns: int) -> dict:
+    """A batch of ``turns`` empty ``{}`` turns, 256 a trajectory (max_turns), so 1M stays within max_trajectories
+    (4,096): each turn is an error that no count checked before validation refuses."""
+    trajectory = b'{"group_id": 0, "reward": 0, "turns": [' + b",".join([b"{}"] * 256) + b"]}"
+    body = b'{"step": 1, "trajectories": [' + b",".join([trajectory] * (turns // 256)) + b"]}"
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
+        return refused(srv, "/v1/runs/r/batches", body)
 
 
 def unknown_keys(keys: int) -> dict:
@@ -338,6 +360,9 @@ def unread_series(clients: int) -> dict:
             sock.close()
         start = time.perf_counter()
         after = httpx.get(srv.base + "/v1/runs/s/metrics", params={"limit": 100}, timeout=60).status_code
+        after_seconds = time.perf_counter() - start
+        time.sleep(2)  # the server has seen the connections go
+        growth_after = srv.memory.rss() - before
     return {
         "answer_bytes": answer_bytes,
         "held_by_server_after_seconds": {UNREAD_SECONDS: held},
@@ -345,7 +370,11 @@ def unread_series(clients: int) -> dict:
         "rss_growth_mb": round(growth / 2**20, 1),
         "rss_growth_still_held_mb": round(growth_held / 2**20, 1),
         "others": waits_of(seen),
-        "after_closing": {"status": after, "seconds": round(time.perf_counter() - start, 3)},
+        "after_closing": {
+            "status": after,
+            "seconds": round(after_seconds, 3),
+            "rss_growth_still_held_mb": round(growth_after / 2**20, 1),
+        },
     }
 
 
@@ -707,6 +736,7 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     # Row 9 (a full disk) is not here: a full volume needs a size-capped filesystem (a loop mount or tmpfs),
     # which needs root; tests/ cover what the service says then.
     "filter_trues": ("true rewards", filter_trues, [10_000, 100_000, 1_000_000], [1000, 10_000, 100_000], None),
+    "empty_turns": ("{} turns", empty_turns, [10_240, 102_400, 1_000_192], [1024, 10_240, 102_400], None),
     "unknown_keys": ("unknown keys", unknown_keys, [10_000, 100_000, 1_000_000], [1000, 10_000, 100_000], None),
     "unread_series": ("clients not reading", unread_series, [8, 16, 32], [2, 4, 8], None),
     "slow_clients": ("connections of each kind", slow_clients, [16, 32, 64], [4, 8, 16], None),
