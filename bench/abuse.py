@@ -19,7 +19,13 @@ paused: the server's growth over the body, its answer and the longest concurrent
 then N such bodies at once, a 503 ``parsing_busy`` retried after ``Retry-After``) and
 anonymous_body (an N MB malformed body sent without a token to a server that has one: the answer
 and its time), empty_trajectories (a batch of N ``{}`` trajectories: the 422/413's size and time,
-the growth, the longest concurrent ``GET /v1/runs``). ``--pythonpath`` runs the server from another
+the growth, the longest concurrent ``GET /v1/runs``). Issue 29's other findings: filter_trues and unknown_keys
+(N errors in a filter or a run; the same measures), unread_series (K clients that never read a long
+series: what the server still holds after 30 s, its memory, others' waits), slow_clients (K silent,
+slow-head and slow-body connections: what the server holds after its deadlines), many_runs (N runs
+created without a token: the first page of ``GET /v1/runs``, ``/v1/overview``, the answer past the
+limit), forwarded_for (a rotating ``X-Forwarded-For`` against the rate limiter) and storage_quota
+(off-schedule batches past ``max_stored_bytes_per_run``). ``--pythonpath`` runs the server from another
 checkout (``git archive <commit> | tar -x -C /tmp/old``) to compare in one session.
 """
 
@@ -27,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -189,21 +197,382 @@ def filter_groups(groups: int) -> dict:
         return measured(srv, post(srv, "/v1/filter", body)) | {"bytes": len(body)}
 
 
+def refused(srv: Server, path: str, body: bytes) -> dict:
+    """``body`` posted to ``path`` while another client polls ``GET /v1/runs``: the answer's status, size
+    (and error code), time, the server's growth and the other client's longest wait and statuses (0: its
+    connection failed)."""
+    answer: list[httpx.Response] = []
+
+    def send() -> httpx.Response:
+        answer.append(httpx.post(srv.base + path, content=body, headers=JSON, timeout=600))
+        return answer[0]
+
+    with others_reading(srv, ["/v1/runs"], pause=0.05) as seen:
+        point = measured(srv, send)
+    error = answer[0].json().get("error") if answer[0].headers.get("content-type") == "application/json" else None
+    polls = seen["/v1/runs"]
+    return point | {
+        "error": error,
+        "bytes": len(body),
+        "answer_bytes": len(answer[0].content),
+        "others_max_seconds": round(max((seconds for seconds, _ in polls), default=0.0), 3),
+        "others_statuses": dict(Counter(status for _, status in polls)),
+    }
+
+
 def empty_trajectories(trajectories: int) -> dict:
     """A batch of ``trajectories`` empty objects (3 errors each): the answer's size and time, the growth, and
     the longest ``GET /v1/runs`` meanwhile (issue 29: 333,333 made a 126 MB 422 and +1.4 GB)."""
     body = b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * trajectories) + b"]}"
     with server() as srv:
         httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
-        answer: list[httpx.Response] = []
+        return refused(srv, "/v1/runs/r/batches", body)
 
-        def send() -> httpx.Response:
-            answer.append(httpx.post(srv.base + "/v1/runs/r/batches", content=body, headers=JSON, timeout=600))
-            return answer[0]
 
-        with others_polling(srv, 600, pause=0.05) as waits:
-            point = measured(srv, send)
-    return point | {"bytes": len(body), "answer_bytes": len(answer[0].content), "others_max_seconds": max(waits)}
+def filter_trues(rewards: int) -> dict:
+    """``POST /v1/filter`` (open to any reader) whose rewards are ``rewards`` times ``true``, one error each
+    (issue 29: 1M, 5 MB, made a 126 MB 422 and +1.4 GB; two at once peaked at 3.1 GB). In groups of 100,
+    so that 1M stays within both max_filter_groups (10,000) and max_filter_rewards (1M): a flat list of
+    1M is refused for its group count before validation."""
+    group = b"[" + b",".join([b"true"] * 100) + b"]"
+    body = b'{"rewards": [' + b",".join([group] * (rewards // 100)) + b"]}"
+    with server() as srv:
+        httpx.post(srv.base + "/v1/filter", content=filter_body(10), headers=JSON, timeout=60)
+        return refused(srv, "/v1/filter", body)
+
+
+def empty_turns(turns: int) -> dict:
+    """A batch of ``turns`` empty ``{}`` turns, 256 a trajectory (max_turns), so 1M stays within max_trajectories
+    (4,096): each turn is an error that no count checked before validation refuses."""
+    trajectory = b'{"group_id": 0, "reward": 0, "turns": [' + b",".join([b"{}"] * 256) + b"]}"
+    body = b'{"step": 1, "trajectories": [' + b",".join([trajectory] * (turns // 256)) + b"]}"
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
+        return refused(srv, "/v1/runs/r/batches", body)
+
+
+def unknown_keys(keys: int) -> dict:
+    """``POST /v1/runs`` with ``keys`` unknown keys besides the name, one error each (issue 29: 1M)."""
+    body = b'{"name": "k", ' + b",".join(b'"k%d": 0' % k for k in range(keys)) + b"}"
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "warm"}, timeout=60)
+        return refused(srv, "/v1/runs", body)
+
+
+def answered(srv: Server, request: Callable[[], httpx.Response]) -> dict:
+    """``measured``, plus the answer's size."""
+    answer: list[httpx.Response] = []
+    point = measured(srv, lambda: answer.append(request()) or answer[0])
+    return point | {"answer_bytes": len(answer[0].content)}
+
+
+def raw_connection(base: str) -> socket.socket:
+    """A loopback connection to ``base`` with a 4 KB receive buffer, so an unread answer stalls the server soon."""
+    host, port = base.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def held_by_server(base: str, sockets: list[socket.socket]) -> int:
+    """How many of ``sockets`` the server still holds: its end of the connection ESTABLISHED in /proc/net/tcp.
+
+    Read on the server's side because a client cannot tell a close from silence while its own receive
+    buffer is full (the server's FIN waits behind the data), and because a server that closes a socket
+    with an answer still buffered in asyncio keeps it open until that buffer drains.
+    """
+    port = int(base.rsplit(":", 1)[1])
+    clients = {sock.getsockname()[1] for sock in sockets}
+    held = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == port and int(remote.split(":")[1], 16) in clients and state == "01":
+            held += 1
+    return held
+
+
+@contextmanager
+def others_reading(srv: Server, paths: list[str], pause: float = 0.2) -> Iterator[dict[str, list[tuple[float, int]]]]:
+    """A client per path polling it meanwhile; yields each path's (seconds, status) (0: no answer in 60 s)."""
+    seen: dict[str, list[tuple[float, int]]] = {path: [] for path in paths}
+    done = threading.Event()
+
+    def poll(path: str) -> None:
+        with httpx.Client(base_url=srv.base, timeout=60) as other:
+            while not done.is_set():
+                start = time.perf_counter()
+                try:
+                    status = other.get(path).status_code
+                except httpx.HTTPError:
+                    status = 0
+                seen[path].append((time.perf_counter() - start, status))
+                time.sleep(pause)
+
+    pollers = [threading.Thread(target=poll, args=(path,)) for path in paths]
+    for poller in pollers:
+        poller.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        for poller in pollers:
+            poller.join()
+
+
+def waits_of(seen: dict[str, list[tuple[float, int]]]) -> dict:
+    """Per polled path: requests, their statuses, and the longest wait."""
+    return {
+        path: {
+            "requests": len(polls),
+            "statuses": dict(Counter(status for _, status in polls)),
+            "max_seconds": round(max(seconds for seconds, _ in polls), 3),
+        }
+        for path, polls in seen.items()
+    }
+
+
+UNREAD_POINTS = 50_000  # a ~7 MB answer, far past the socket buffers (4 KB asked by the client, 4 MB at most sent)
+UNREAD_SECONDS = 30
+
+
+def unread_series(clients: int) -> dict:
+    """``clients`` connections that ask for a long series and never read the answer, for ``UNREAD_SECONDS``:
+    how many the server still holds then, the answers' statuses, the server's growth, and meanwhile
+    ``/readyz``, a short series read and ``GET /v1/runs`` of other clients (issue 29: 16 such clients held
+    the pool, every database request answered 503 after the pool timeout, none closed in 60 s)."""
+    request = b"GET /v1/runs/s/metrics?limit=1000000&segments=all HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with server() as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "s"}, timeout=60)
+        seed(srv.url, "s", UNREAD_POINTS // 10, [f"m{k}" for k in range(10)])
+        answer_bytes = len(httpx.get(srv.base + "/v1/runs/s/metrics?limit=1000000&segments=all", timeout=120).content)
+        before = srv.memory.reset()
+        paths = ["/readyz", "/v1/runs/s/metrics?limit=100", "/v1/runs"]
+        with others_reading(srv, paths) as seen:
+            sockets = [raw_connection(srv.base) for _ in range(clients)]
+            for sock in sockets:
+                sock.sendall(request)
+            time.sleep(UNREAD_SECONDS)
+        held = held_by_server(srv.base, sockets)
+        growth, growth_held = srv.memory.peak() - before, srv.memory.rss() - before
+        statuses = Counter(_status_line(sock) for sock in sockets)
+        for sock in sockets:
+            sock.close()
+        start = time.perf_counter()
+        after = httpx.get(srv.base + "/v1/runs/s/metrics", params={"limit": 100}, timeout=60).status_code
+        after_seconds = time.perf_counter() - start
+        time.sleep(2)  # the server has seen the connections go
+        growth_after = srv.memory.rss() - before
+    return {
+        "answer_bytes": answer_bytes,
+        "held_by_server_after_seconds": {UNREAD_SECONDS: held},
+        "unread_statuses": dict(statuses),
+        "rss_growth_mb": round(growth / 2**20, 1),
+        "rss_growth_still_held_mb": round(growth_held / 2**20, 1),
+        "others": waits_of(seen),
+        "after_closing": {
+            "status": after,
+            "seconds": round(after_seconds, 3),
+            "rss_growth_still_held_mb": round(growth_after / 2**20, 1),
+        },
+    }
+
+
+def _status_line(sock: socket.socket) -> int:
+    """The status of the answer waiting in ``sock``, read without taking it (0: none yet)."""
+    try:
+        head = sock.recv(16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return 0
+    return int(head.split()[1]) if head.startswith(b"HTTP/") else 0
+
+
+SLOW_SECONDS = 15  # past request_head_seconds (10 s by default) and request_body_seconds (set to 10 s here)
+
+
+def slow_clients(per_kind: int) -> dict:
+    """``per_kind`` connections of each kind: silent (sends nothing), slow head (a header a byte a second),
+    slow body (a body a byte a second, ``request_body_seconds`` lowered from its 120 s to 10 s); after
+    ``SLOW_SECONDS`` how many the server still holds, and other clients' waits meanwhile (issue 29: 0 of 50
+    closed after 60-120 s)."""
+    opening = {
+        "silent": b"",
+        "slow_head": b"GET /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ",
+        "slow_body": b"POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n{",
+    }
+    with server(REQUEST_BODY_SECONDS="10") as srv:
+        kinds = {kind: [raw_connection(srv.base) for _ in range(per_kind)] for kind in opening}
+        for kind, sockets in kinds.items():
+            for sock in sockets:
+                sock.sendall(opening[kind])
+        refused: Counter[str] = Counter()  # sends that failed: the server had closed
+        done = threading.Event()
+
+        def trickle() -> None:
+            alive = [sock for kind in ("slow_head", "slow_body") for sock in kinds[kind]]
+            while not done.wait(1.0):
+                for sock in list(alive):
+                    try:
+                        sock.send(b"a" if sock in kinds["slow_head"] else b" ")
+                    except OSError:
+                        alive.remove(sock)
+                        refused["slow_head" if sock in kinds["slow_head"] else "slow_body"] += 1
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        with others_reading(srv, ["/readyz", "/v1/runs"]) as seen:
+            time.sleep(SLOW_SECONDS)
+        held = {kind: held_by_server(srv.base, sockets) for kind, sockets in kinds.items()}
+        done.set()
+        sender.join()
+        for sockets in kinds.values():
+            for sock in sockets:
+                sock.close()
+    return {
+        "connections": per_kind * len(opening),
+        "held_by_server_after_seconds": {SLOW_SECONDS: held},
+        "sends_refused": dict(refused),
+        "others": waits_of(seen),
+    }
+
+
+def many_runs(runs: int) -> dict:
+    """``runs`` runs created without a token (``max_runs_without_token`` set to ``runs``), then one more; each
+    given 10 scored steps of the overview's figures; then ``GET /v1/runs`` (its first page) and the runs
+    page's poll ``GET /v1/overview?points=60`` (issue 29: at 10,000 runs 12-28 s and 10.7 MB, and 2-2.6 s
+    and 5 MB)."""
+    with server(MAX_RUNS_WITHOUT_TOKEN=str(runs)) as srv, httpx.Client(base_url=srv.base, timeout=600) as http:
+        start = time.perf_counter()
+        created = Counter(http.post("/v1/runs", json={"name": f"run-{r}"}).status_code for r in range(runs))
+        create_seconds = time.perf_counter() - start
+        past = http.post("/v1/runs", json={"name": "one-more"})
+        _seed_overview(srv.url, steps=10)
+        pages: list[httpx.Response] = []
+        first_page = answered(srv, lambda: pages.append(http.get("/v1/runs")) or pages[0])
+        overview = answered(srv, lambda: http.get("/v1/overview", params={"points": 60}))
+    return {
+        "created": dict(created),
+        "create_seconds_per_run": round(create_seconds / runs, 4),
+        "past_the_limit": f"{past.status_code} {past.json().get('error')}",
+        "runs_first_page": first_page
+        | {"runs": len(pages[0].json()), "next": "next" in pages[0].headers.get("link", "")},
+        "overview": overview,
+    }
+
+
+def _seed_overview(url: str, steps: int) -> None:
+    """``steps`` scored steps of every run: a batch each, the sparkline's points and the latest values."""
+    engine = create_engine(url)
+    rng = np.random.default_rng(steps)
+    try:
+        with engine.begin() as connection:
+            ids = connection.execute(select(Run.id)).scalars().all()
+            batches = [{"run_id": r, "step": k, "id": uuid.uuid4().hex} for r in ids for k in range(steps)]
+            done = {"kind": "matrix", "payload": "", "payload_sha256": "", "status": "done"}
+            connection.execute(insert(Batch), [b | done for b in batches])
+            names = ("mi_estimate", "retrieval_accuracy", "retrieval_chance_level", "retrieval_above_chance")
+            points = [
+                {"run_id": b["run_id"], "batch_id": b["id"], "step": b["step"], "sampler": "matrix", "name": name}
+                | {"value": float(rng.random()), "scorer": "tiny-random"}
+                for b in batches
+                for name in names
+            ]
+            connection.execute(insert(MetricPoint), points)
+            latest = [
+                {"run_id": r, "sampler": "matrix", "name": n, "step": steps - 1, "value": 0.5}
+                for r in ids
+                for n in names
+            ]
+            connection.execute(insert(LatestMetric), latest)
+    finally:
+        engine.dispose()
+
+
+def forwarded_for(requests: int) -> dict:
+    """``requests`` quick ``GET /v1/runs`` from 8 threads, each with another ``X-Forwarded-For``: counted
+    against loopback unless a proxy is configured (issue 29: 600 x 200, uvicorn trusted the header from
+    loopback; without it 229 x 200 + 371 x 429). The limit is lowered from 50/s (bursts of 200) to 10/s
+    (bursts of 100): this client sends ~100 requests a second on a busy machine, within the default."""
+    cases = {
+        "rotating X-Forwarded-For": ({}, True),
+        "no X-Forwarded-For": ({}, False),
+        "rotating, 127.0.0.1 configured as the proxy": ({"FORWARDED_ALLOW_IPS": '["127.0.0.1"]'}, True),
+    }
+    out = {}
+    for case, (settings, rotate) in cases.items():
+        with server(RATE_LIMIT_PER_SECOND="10", RATE_LIMIT_BURST="100", **settings) as srv:
+            start = time.perf_counter()
+            statuses = _burst(srv.base, requests, rotate)
+            seconds = time.perf_counter() - start
+        out[case] = {"statuses": dict(statuses), "seconds": round(seconds, 2), "allowed": round(100 + 10 * seconds)}
+    return out
+
+
+def _burst(base: str, requests: int, rotate: bool) -> Counter[int]:
+    """``requests`` ``GET /v1/runs`` from 8 threads; with ``rotate`` each names another X-Forwarded-For."""
+    statuses: Counter[int] = Counter()
+
+    def send(first: int) -> None:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            for i in range(first, requests, 8):
+                headers = {"x-forwarded-for": f"10.{i // 65536}.{i // 256 % 256}.{i % 256}"} if rotate else {}
+                statuses[http.get("/v1/runs", headers=headers).status_code] += 1
+
+    senders = [threading.Thread(target=send, args=(first,)) for first in range(8)]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join()
+    return statuses
+
+
+QUOTA_BYTES = 16 * 2**20  # max_stored_bytes_per_run lowered from its 10 GiB so that a few batches pass it
+
+
+def storage_quota(batches: int) -> dict:
+    """``batches`` off-schedule batches of ~3.1 MB of text (a run scoring every 1000th step, scoring paused)
+    from two clients, against ``max_stored_bytes_per_run`` of 16 MiB: the answers, the first refusal, the
+    run's stored bytes and the database's growth (issue 29: 100 such batches all 202, +382 MB, nothing bounded
+    a run's storage)."""
+    turn = {"prompt": "Board: the box is left of the goal. " * 20, "response": "<think>" + "plan " * 200 + "</think>Up"}
+    trajectories = json.dumps([{"group_id": t % 64, "reward": 1.0, "turns": [turn]} for t in range(1800)]).encode()
+    settings = {"MAX_STORED_BYTES_PER_RUN": str(QUOTA_BYTES), "SCORING_PAUSED": "true", "MAX_SCORING_COST": str(10**12)}
+    with server(**settings) as srv:
+        httpx.post(srv.base + "/v1/runs", json={"name": "q", "schedule": {"every": 1000}}, timeout=60)
+        database = Path(srv.url.removeprefix("sqlite:///"))
+        size_before = sum(f.stat().st_size for f in database.parent.glob(database.name + "*"))
+        answers: list[httpx.Response] = []
+
+        def send(first: int) -> None:
+            with httpx.Client(base_url=srv.base, timeout=600) as http:
+                for step in range(2 + first, 2 + batches, 2):  # steps 2..: off the schedule (1, 1000, 2000, ...)
+                    body = b'{"step": %d, "trajectories": ' % step + trajectories + b"}"
+                    answers.append(http.post("/v1/runs/q/batches", content=body, headers=JSON))
+
+        start = time.perf_counter()
+        clients = [threading.Thread(target=send, args=(first,)) for first in range(2)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join()
+        seconds = time.perf_counter() - start
+        size_after = sum(f.stat().st_size for f in database.parent.glob(database.name + "*"))
+        engine = create_engine(srv.url)
+        with engine.connect() as connection:
+            stored = connection.execute(select(Run.payload_bytes).where(Run.name == "q")).scalar_one()
+        engine.dispose()
+    over = [a for a in answers if a.status_code != 202]
+    return {
+        "batch_bytes": len(trajectories) + 30,
+        "statuses": dict(Counter(a.status_code for a in answers)),
+        "first_refusal": f"{over[0].status_code} {over[0].json()['error']}: {over[0].json()['detail']}"
+        if over
+        else None,
+        "seconds": round(seconds, 2),
+        "run_payload_bytes": stored,
+        "database_growth_mb": round((size_after - size_before) / 2**20, 1),
+    }
 
 
 def methods(requests: int) -> dict:
@@ -362,6 +731,18 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "token_ids": ("27 MB token-id batches at once", token_ids, [4], [2], None),
     "anonymous_body": ("MB of malformed JSON", anonymous_body, [30], [8], None),
     "empty_trajectories": ("{} trajectories", empty_trajectories, [4096, 100_000, 333_333], [1000, 4096, 20_000], None),
+    # Issue 29, one vector per finding. Row 3 (resumed runs) is a correctness test, not a cost. Row 8 (many
+    # large token-id bodies at once) is token_ids above: its bodies in flight count against max_parsing_bytes.
+    # Row 9 (a full disk) is not here: a full volume needs a size-capped filesystem (a loop mount or tmpfs),
+    # which needs root; tests/ cover what the service says then.
+    "filter_trues": ("true rewards", filter_trues, [10_000, 100_000, 1_000_000], [1000, 10_000, 100_000], None),
+    "empty_turns": ("{} turns", empty_turns, [10_240, 102_400, 1_000_192], [1024, 10_240, 102_400], None),
+    "unknown_keys": ("unknown keys", unknown_keys, [10_000, 100_000, 1_000_000], [1000, 10_000, 100_000], None),
+    "unread_series": ("clients not reading", unread_series, [8, 16, 32], [2, 4, 8], None),
+    "slow_clients": ("connections of each kind", slow_clients, [16, 32, 64], [4, 8, 16], None),
+    "many_runs": ("runs", many_runs, [100, 1000, 3000], [30, 100, 300], None),
+    "forwarded_for": ("requests", forwarded_for, [600], [300], None),
+    "storage_quota": ("3.1 MB batches", storage_quota, [8, 16, 32], [4, 8, 12], None),
 }
 
 
