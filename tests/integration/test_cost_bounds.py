@@ -99,15 +99,26 @@ def post_measured(client, path: str, raw: bytes):
     return response
 
 
+EMPTY_TURNS = {"group_id": 0, "reward": 0.0, "turns": [{}] * 256}
+
+
 @pytest.mark.parametrize(
     ("path", "raw", "status", "n_errors"),
     [
         ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 333_333) + b"]}", 413, None),
-        ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 4096) + b"]}", 422, 3 * 4096),
+        ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 4096) + b"]}", 422, 3 * 7),
+        # Within every count limit: 4,000 trajectories of 256 empty turns (+2.3 GB and 41-55 s before).
+        ("/v1/runs/r/batches", json.dumps({"step": 1, "trajectories": [EMPTY_TURNS] * 4000}).encode(), 422, 256),
         ("/v1/filter", b'{"rewards": [[' + b",".join([b"true"] * 1_000_000) + b"]]}", 422, 1_000_000),
         ("/v1/runs", b'{"name": "u", ' + b",".join(b'"k%d": 0' % i for i in range(1_000_000)) + b"}", 422, 1_000_000),
     ],
-    ids=["333333-empty-trajectories", "4096-empty-trajectories", "1M-true-rewards", "1M-unknown-keys"],
+    ids=[
+        "333333-empty-trajectories",
+        "4096-empty-trajectories",
+        "1M-empty-turns",
+        "1M-true-rewards",
+        "1M-unknown-keys",
+    ],
 )
 def test_a_body_of_a_million_errors_is_answered_small_with_bounded_memory(client, path, raw, status, n_errors):
     response = post_measured(client, path, raw)
