@@ -326,6 +326,12 @@ class Settings(BaseSettings):
         description="Time a client has to send a request's whole body once its headers are in (a 32 MiB body then "
         "needs ~0.3 MB/s); then `serve` closes the connection.",
     )
+    response_stall_seconds: float = Field(
+        60.0,
+        gt=0,
+        description="Time an answer may stall because its client reads nothing of it (the socket's buffers full, so "
+        "the client must read ~48 KB in that time); then `serve` drops the connection and the rest of the answer.",
+    )
     allowed_origins: list[str] = Field(
         default_factory=list,
         description="Browser origins (scheme://host[:port]) besides the service's own that may send POST, PUT, PATCH "

@@ -127,9 +127,16 @@ def seed_series(database_url: str, run: str, n_steps: int, per_step: int = 10) -
     engine.dispose()
 
 
+def established_to(port: int) -> int:
+    """Connections the server holds on ``port`` (its side, from /proc/net/tcp: state 01 is ESTABLISHED)."""
+    rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for r in rows if r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "01")
+
+
 def test_clients_that_never_read_a_long_series_hold_no_database_connection(tmp_path, processes):
-    """Issue 29 row 2: 16 such clients kept the pool's sessions; every database request then answered 503."""
-    env = service_env(tmp_path, COLLAPSE_MONITOR_SCORING_PAUSED="true")
+    """Issue 29 row 2: 16 such clients kept the pool's sessions; every database request then answered 503. Their
+    connections, with the rest of their answers, were held as long as they stayed: dropped after the stall now."""
+    env = service_env(tmp_path, COLLAPSE_MONITOR_SCORING_PAUSED="true", COLLAPSE_MONITOR_RESPONSE_STALL_SECONDS="3")
     base = start_service(processes, env)
     assert httpx.post(f"{base}/v1/runs", json={"name": "r"}, timeout=30).status_code == 201
     seed_series(f"sqlite:///{tmp_path / 'data' / 'collapse-monitor.db'}", "r", 20_000)  # ~30 MB as JSON
@@ -150,6 +157,13 @@ def test_clients_that_never_read_a_long_series_hold_no_database_connection(tmp_p
                 assert other.post("/v1/runs", json={"name": f"w{i}"}).status_code == 201
                 assert time.monotonic() - started < 5, f"{time.monotonic() - started:.1f} s"
                 time.sleep(1)
+        # Every reader's connection gone from the server's side (answered 503 and idle past keep-alive, or its
+        # answer stalled past response_stall_seconds), though none of them closed its socket.
+        deadline = time.monotonic() + 60
+        while established_to(port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert established_to(port) == 0
+        assert "read none of its answer for 3.0 s (response_stall_seconds)" in processes.log("serve")
     finally:
         for reader in readers:
             reader.close()
