@@ -129,7 +129,7 @@ def test_runs_page_shows_a_page_of_runs_at_a_time_and_polls_only_the_shown_page(
     assert shown() == sorted(names[2:4])
     assert f"after={names[1]}" in page.url  # a reload stays on the page
     asked.clear()
-    page.wait_for_request(lambda r: "/v1/overview" in r.url, timeout=20_000)  # the next poll (every 5 s)
+    page.wait_for_event("request", lambda r: "/v1/overview" in r.url, timeout=20_000)  # the next poll (every 5 s)
     assert asked
     assert all("limit=2" in url and f"after={names[1]}" in url for url in asked), asked
     page.click("#previous-page")
