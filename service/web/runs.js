@@ -24,7 +24,7 @@ const view = {
   sort: params.get("sort") || "last_batch",
   descending: params.get("order") ? params.get("order") === "desc" : true,
   selected: new Set(),
-  limit: Number(params.get("limit")) || PAGE_RUNS,
+  limit: Math.min(Math.max(Math.trunc(Number(params.get("limit"))) || PAGE_RUNS, 1), 1000), // the API takes 1-1000
   after: params.get("after") || null, // the page shown: the runs after this one (null: the first page)
   next: null, // the `after` of the next page; null on the last
   earlier: [], // the `after` of the pages before the shown one, as they were followed
@@ -111,7 +111,7 @@ function renderPager() {
 async function turnTo(after) {
   view.after = after;
   keepInUrl();
-  await refresh();
+  await refresh().catch((error) => console.warn(error)); // the poll shows it, and tries again
 }
 
 function row(r) {
@@ -180,7 +180,15 @@ function renderCompare() {
 
 async function refresh() {
   const after = view.after;
-  const page = await api.overviewPage(SPARK_POINTS, view.limit, after);
+  let page;
+  try {
+    page = await api.overviewPage(SPARK_POINTS, view.limit, after);
+  } catch (error) {
+    if (error.status !== 404 || after === null || after !== view.after) throw error;
+    [view.after, view.earlier] = [null, []]; // the run the page started after was deleted: the first page
+    keepInUrl();
+    return refresh();
+  }
   if (after !== view.after) return; // the page was turned while this poll was out: its answer is the old page's
   [view.runs, view.next] = [page.runs, page.after];
   render();

@@ -136,6 +136,9 @@ def test_runs_page_shows_a_page_of_runs_at_a_time_and_polls_only_the_shown_page(
     page.wait_for_selector(f'#runs tbody tr[data-run="{names[0]}"]')
     assert shown() == sorted(names[:2])
     assert console.errors == []
+    page.goto(f"{server}/?limit=2&after=deleted-since")  # a link to a page whose first run is gone: the first page
+    page.wait_for_selector(f'#runs tbody tr[data-run="{names[0]}"]')
+    assert "after=" not in page.url
     page.close()
 
 
