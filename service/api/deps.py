@@ -6,6 +6,7 @@ import email.message
 import typing
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Annotated, Any
+from urllib.parse import urlencode
 
 from fastapi import Depends, Request, Response
 from fastapi.routing import APIRoute
@@ -47,6 +48,12 @@ def _access(request: Request) -> Access:
 State = Annotated[AppState, Depends(_state)]
 RawBody = Annotated[bytes, Depends(_raw_body)]
 Caller = Annotated[Access, Depends(_access)]
+
+
+def next_page(response: Response, path: str, params: Mapping[str, object]) -> None:
+    """Links a full page to the next one (``Link: <path?params>; rel="next"``, RFC 8288); None params left out."""
+    query = urlencode({k: v for k, v in params.items() if v is not None})
+    response.headers["Link"] = f'<{path}?{query}>; rel="next"'
 
 
 def _write_run(access: Caller, run: str) -> None:

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import logging
-import tempfile
-from collections.abc import Iterator
-from typing import IO, Annotated
-from urllib.parse import urlencode
+from typing import Annotated
 
-import orjson
 from fastapi import APIRouter, Body, Query, Response, status
 from fastapi.responses import StreamingResponse
 
-from service.api.deps import AccessFirst, Caller, RawBody, ReadsAll, ReadsRun, State, WritesRun, WritesSomeRun
-from service.api.state import SERIES_READERS, AppState
-from service.errors import NotFound, ReadsBusy
+from service.api.deps import (
+    AccessFirst,
+    Caller,
+    RawBody,
+    ReadsAll,
+    ReadsRun,
+    State,
+    WritesRun,
+    WritesSomeRun,
+    next_page,
+)
+from service.api.state import AppState
 from service.ingest import batches, figures, matrices, runs
+from service.reads import series
+from service.reads.runs import MAX_PAGE_RUNS, require_run, run_response, run_responses, runs_page
 from service.schemas.inputs import (
     INT32_MAX,
     BatchAccepted,
@@ -30,12 +35,9 @@ from service.schemas.inputs import (
     RunCreate,
     RunResponse,
 )
-from service.schemas.reads import MetricPointOut, MetricSeries
+from service.schemas.reads import MetricSeries
 from service.schemas.results import MatrixAccepted
-from service.storage import points
-from service.storage import runs as stored_runs
 from service.storage.points import SeriesQuery
-from service.storage.tables import iso_time
 
 # AccessFirst: the body routes check access on the headers, then parse the body off the event loop.
 router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=AccessFirst)
@@ -80,30 +82,27 @@ def create_run(state: State, access: Caller, body: RunCreate, response: Response
     return run
 
 
-@router.get("", dependencies=[ReadsAll])
+@router.get("", dependencies=[ReadsAll], responses={404: {"description": "`after` names no run"}})
 def list_runs(
     state: State,
     response: Response,
-    limit: Annotated[int, Query(ge=1, le=1000, description="Runs per page, in creation order.")] = 1000,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_RUNS, description="Runs per page, in creation order.")] = 1000,
     after: Annotated[
         str | None, Query(max_length=200, description="The last run of the previous page (its `Link: rel=next`).")
     ] = None,
 ) -> list[RunResponse]:
     """The runs, a page of ``limit`` at a time; a full page links to the next one (``Link: <...>; rel="next"``)."""
     with state.sessions() as session:
-        if after is not None and stored_runs.run_by_name(session, after) is None:
-            raise NotFound(f"after must name a run, got {after!r} (deleted since the previous page?)", field="after")
-        found = stored_runs.list_runs(session, limit, after)
-        page = runs.run_responses(session, found)
-    if len(found) == limit:
-        response.headers["Link"] = f'</v1/runs?{urlencode({"limit": limit, "after": found[-1].name})}>; rel="next"'
+        page = run_responses(session, runs_page(session, limit, after))
+    if len(page) == limit:
+        next_page(response, "/v1/runs", {"limit": limit, "after": page[-1].name})
     return page
 
 
 @router.get("/{run}", dependencies=[ReadsRun])
 def get_run(state: State, run: str) -> RunResponse:
     with state.sessions() as session:
-        return runs.run_response(session, runs.require_run(session, run))
+        return run_response(session, require_run(session, run))
 
 
 @router.delete(
@@ -191,10 +190,6 @@ def announce_checkpoint(state: State, run: str, body: CheckpointIn) -> Checkpoin
     return runs.announce_checkpoint(state.sessions, state.settings, run, body)
 
 
-# The segment column comes only with segments=all, so the default CSV keeps the columns it always had.
-CSV_COLUMNS = [name for name in MetricPointOut.model_fields if name != "segment"]
-
-
 @router.get(
     "/{run}/metrics",
     response_model=MetricSeries,
@@ -237,106 +232,18 @@ def metric_series(
 ) -> Response | MetricSeries:
     """Stored metric points of a run, ordered by step (JSON, or CSV with ``format=csv``).
 
-    JSON and CSV are encoded as the points are read, a chunk at a time, into a spool (``_spooled``)
-    sent once the read is over, so no database session waits on a slow client. At most
-    ``SERIES_READERS`` such reads run at once; the others wait their turn, up to 10 s, then 503.
+    JSON and CSV are read whole into a spool before the answer starts (``service.reads.series``), so
+    no database session waits on a slow client; at most ``SERIES_READERS`` such reads run at once, the
+    others wait their turn, up to 10 s, then 503.
     """
     wanted = [n for n in (names or "").split(",") if n]
     samplers = [s for s in (sampler or "").split(",") if s]
-    if format == "columns":
-        with state.sessions() as session:
-            target = runs.require_run(session, run)
-            found, truncated = points.metric_columns(
-                session, SeriesQuery(target.id, wanted, samplers, from_step, to_step, limit, segments == "all")
-            )
-        series = [
-            {"sampler": s, "name": n, "steps": steps, "values": values}
-            for (s, n), (steps, values) in sorted(found.items())
-        ]
-        # orjson: a long run's history is ~10^5 floats, which the json module writes 20x slower.
-        body = {"run": run, "series": series, "truncated": truncated}
-        return Response(orjson.dumps(body), media_type="application/json")
     with state.sessions() as session:
-        run_id = runs.require_run(session, run).id  # 404 before the body starts
-    query = SeriesQuery(run_id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all")
-    if not state.series_reads.acquire(timeout=SERIES_READ_WAIT_SECONDS):
-        raise ReadsBusy(f"{SERIES_READERS} series reads are being read from the database already; retry shortly")
-    try:
-        spooled = _spooled(_csv_body(state, query) if format == "csv" else _json_body(state, run, query))
-    finally:
-        state.series_reads.release()
+        run_id = require_run(session, run).id  # 404 before the body starts
+        query = SeriesQuery(run_id, wanted, samplers, from_step, to_step, limit, all_segments=segments == "all")
+        if format == "columns":
+            return Response(series.series_columns(session, run, query), media_type="application/json")
+    spooled = series.spooled_series(
+        state.sessions, state.series_reads, run, query, "csv" if format == "csv" else "json"
+    )
     return StreamingResponse(spooled, media_type="text/csv" if format == "csv" else "application/json")
-
-
-SERIES_READ_WAIT_SECONDS = 10.0  # a read waits this long for its turn (SERIES_READERS), then 503 reads_busy
-
-
-SPOOL_MEMORY_BYTES = 8 * 2**20  # an answer's part kept in memory; the rest of it waits in a temporary file
-SPOOL_READ_BYTES = 256 * 1024
-
-
-def _spooled(body: Iterator[bytes] | Iterator[str]) -> Iterator[bytes]:
-    """``body`` written out whole (its database session closed with it), then sent from a temporary file.
-
-    Called in the handler (the thread pool): the series is read and encoded at the database's pace,
-    not the client's. Streamed straight from the cursor, an answer kept its session and pooled
-    connection while the client read it: 16 clients that never read held the whole pool, and every
-    database request, ``/readyz`` too, answered 503 (issue 29). Memory stays bounded (at most
-    ``SPOOL_MEMORY_BYTES`` per answer, the rest on disk).
-    """
-    spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115  # closed by the generator below
-    try:
-        for part in body:
-            spool.write(part.encode() if isinstance(part, str) else part)
-        spool.seek(0)
-    except BaseException:
-        spool.close()
-        raise
-    return _sent_from(spool)
-
-
-def _sent_from(spool: IO[bytes]) -> Iterator[bytes]:
-    with spool:
-        while part := spool.read(SPOOL_READ_BYTES):
-            yield part
-
-
-def _json_body(state: AppState, run: str, query: SeriesQuery) -> Iterator[bytes]:
-    """``MetricSeries`` as JSON (its fields in order), written a chunk of points at a time."""
-    yield b'{"run":' + orjson.dumps(run) + b',"points":['
-    separator = b""
-    with state.sessions() as session:
-        for chunk in points.metric_series(session, query):
-            rows = [
-                {
-                    "step": step,
-                    "segment": segment,
-                    "sampler": sampler,
-                    "name": name,
-                    "value": value,
-                    "scorer": scorer,
-                    "checkpoint": checkpoint,
-                    "time": iso_time(created) or "",
-                }
-                for step, segment, sampler, name, value, scorer, checkpoint, created in chunk
-            ]
-            yield separator + orjson.dumps(rows)[1:-1]
-            separator = b","
-    yield b"]}"
-
-
-def _csv_body(state: AppState, query: SeriesQuery) -> Iterator[str]:
-    """The points as CSV (``CSV_COLUMNS``, then ``segment`` with segments=all), a chunk at a time."""
-    all_segments = query.all_segments
-    out = io.StringIO()
-    writer = csv.writer(out)
-    writer.writerow([*CSV_COLUMNS, "segment"] if all_segments else CSV_COLUMNS)
-    with state.sessions() as session:
-        for chunk in points.metric_series(session, query):
-            for step, segment, sampler, name, value, scorer, checkpoint, created in chunk:
-                row = [step, sampler, name, value, scorer, checkpoint, iso_time(created) or ""]
-                writer.writerow([*row, segment] if all_segments else row)
-            yield out.getvalue()
-            out.seek(0)
-            out.truncate()
-    yield out.getvalue()

@@ -17,16 +17,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.access import TokenCache
 from service.api.rate_limit import BodyBudget
 from service.metrics import ServiceMetrics
+from service.reads.series import SERIES_READERS
 from service.settings import Settings
 from service.storage.readiness import DatabaseProbe
 
 if TYPE_CHECKING:  # the pool loads torch; API-only processes never build one
     from service.jobs.scorers import ScorerPool
-
-
-# Series reads (service.api.runs) reading from the database at once: below every pool's size (SQLite 5 + 10,
-# Postgres 10 + 20), so that /readyz, writes and the worker's claims always find a connection.
-SERIES_READERS = 4
 
 
 @dataclass

@@ -26,11 +26,12 @@ from service.ingest.limits import (
     check_token_ids,
     store_payload,
 )
-from service.ingest.pace import run_pace
-from service.ingest.runs import require_run, resume_warning, segment_for
+from service.ingest.runs import resume_warning, segment_for
 from service.jobs.reasoning import Found, ingest_warnings, reasoning_summary
 from service.jobs.recording import finish_done
 from service.jobs.reward_figures import batch_figures
+from service.reads.pace import run_pace
+from service.reads.runs import require_run
 from service.schemas.inputs import BatchAccepted, BatchIn
 from service.settings import Settings
 from service.snapshot import RunSnapshot, is_scheduled
@@ -55,7 +56,7 @@ def _commit_rollouts(
     sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
 ) -> tuple[BatchAccepted, Extraction, str | None, Found | None]:
     """The batch stored in one transaction (or an identical earlier one), the run's reasoning extraction,
-    the warning that scoring lags behind the run (``service.ingest.pace``), if it does, and the batch's
+    the warning that scoring lags behind the run (``service.reads.pace``), if it does, and the batch's
     reasoning summary if it was computed (a step off the schedule)."""
     # Hashed before the transaction, and once: 32 MB take ~50 ms, which the run's row lock need not wait for.
     digest = content_hash(raw)

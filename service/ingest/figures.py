@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import FigureConflict, NotFound
-from service.ingest.runs import require_run
+from service.reads.runs import require_run
 from service.schemas.inputs import FiguresAccepted, FiguresIn
 from service.storage import points, queue
 from service.storage.labels import TRAINER

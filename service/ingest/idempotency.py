@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.errors import Conflict
-from service.ingest.runs import require_run
+from service.reads.runs import require_run
 from service.schemas.inputs import BatchAccepted
 from service.storage import queue
 from service.storage.tables import Batch

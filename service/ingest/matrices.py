@@ -17,9 +17,10 @@ from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, t
 from service.errors import Conflict, InvalidRequest, NotFound, StepConflict, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
 from service.ingest.limits import check_size, store_payload
-from service.ingest.runs import require_run, resume_warning, segment_for
+from service.ingest.runs import resume_warning, segment_for
 from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
+from service.reads.runs import require_run
 from service.schemas.inputs import InputError, MatrixBatchIn
 from service.schemas.results import BatchResult, MatrixAccepted
 from service.settings import Settings

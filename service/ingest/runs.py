@@ -1,32 +1,23 @@
 """Runs: creating one (idempotently), deleting one, and announcing its policy checkpoints.
 
-The HTTP handlers only parse and respond; the rules live here. Must not import fastapi.
+The HTTP handlers only parse and respond; the rules live here. Writes only: a creation answers with the
+run's read (``service.reads.runs``). Must not import fastapi.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.access import Token
 from service.errors import InvalidRequest, NotFound, RunConflict, RunLimitReached
-from service.ingest.pace import BACKLOG, run_pace
 from service.jobs.checkpoints import resolve_checkpoint
+from service.reads.runs import require_run, run_response, run_settings
 from service.schemas.inputs import CheckpointIn, CheckpointResponse, RunCreate, RunResponse
 from service.settings import Settings
-from service.snapshot import BUDGET_KEY, RunSnapshot, run_budget, run_metadata
-from service.storage import deletion, queue, runs, tokens
-from service.storage.tables import Checkpoint, Run
-
-
-def require_run(session: Session, name: str) -> Run:
-    """The run called ``name``, or 404."""
-    run = runs.run_by_name(session, name)
-    if run is None:
-        raise NotFound(f"run {name!r} does not exist; create it with POST /v1/runs", field="run")
-    return run
+from service.snapshot import BUDGET_KEY, RunSnapshot
+from service.storage import deletion, runs, tokens
+from service.storage.tables import Checkpoint, Run, iso_time
 
 
 def segment_for(
@@ -62,54 +53,6 @@ def resume_warning(run_name: str, step: int, segment: runs.Segment, matrix_sampl
         "segments=all). If the trainer did not resume, two uploaders are sending this run's steps: send a run's "
         "steps from one uploader, in step order."
     )
-
-
-def run_settings(run: Run) -> RunCreate:
-    """A stored run's settings in the form they were created with."""
-    return RunCreate.model_validate(
-        {
-            "name": run.name,
-            "project": run.project,
-            "metadata": run_metadata(run.details),
-            "scorer": run.scorer,
-            "scorer_mode": run.scorer_mode,
-            "schedule": {"every": run.score_every, "budget_seconds": run_budget(run.details)},
-            "sampler": {"samplers": run.samplers, "num_samples": run.num_samples, "seed": run.seed},
-            "temperature": run.temperature,
-            "filter": run.filter,
-            "alerts": run.alert_rules,
-            "reasoning_extraction": run.reasoning_extraction,
-        }
-    )
-
-
-def run_response(session: Session, run: Run) -> RunResponse:
-    (response,) = run_responses(session, [run])
-    return response
-
-
-def run_responses(session: Session, found: Sequence[Run]) -> list[RunResponse]:
-    """The runs as ``GET /v1/runs`` answers them, in three queries however many runs (plus the pace of
-    each run with a backlog): ~3 queries a run made a list of 10,000 runs take 12-28 s."""
-    ids = [run.id for run in found]
-    last = runs.last_steps(session, ids)
-    counts = queue.batch_counts_of(session, ids)
-
-    def lag(run: Run) -> str | None:
-        waiting = counts.get(run.id, {}).get("queued", 0) + counts.get(run.id, {}).get("scoring", 0)
-        return run_pace(session, run.id).warning(run.name) if waiting >= BACKLOG else None  # else never lagging
-
-    return [
-        RunResponse(
-            **run_settings(run).model_dump(),
-            id=run.id,
-            created_at=run.created_at.isoformat(),
-            last_step=last.get(run.id),
-            batches=counts.get(run.id, {}),
-            scoring_lag=lag(run),
-        )
-        for run in found
-    ]
 
 
 def create_run(
@@ -226,7 +169,7 @@ def announce_checkpoint(
                 kind=body.kind,
                 step=body.step,
                 id=checkpoint.id,
-                created_at=checkpoint.created_at.isoformat(),
+                created_at=iso_time(checkpoint.created_at) or "",
             )
     except IntegrityError as e:  # the run's foreign key: a concurrent DELETE /v1/runs/{run} committed first
         with sessions() as session:

@@ -1,4 +1,4 @@
-"""Queries behind the runs overview: a few set-wise reads for any number of runs, none per run.
+"""Queries behind the runs overview: a few set-wise reads for a page of runs, and one per sparkline series.
 
 Functions of a Session, like the other table families'; callers own the transaction. Must not import fastapi.
 """
@@ -13,7 +13,6 @@ from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from service.storage.labels import TRAINER
-from service.storage.points import driver_cursor
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, as_utc
 
 
@@ -27,13 +26,6 @@ class RunFigures:
     samplers: list[str] = field(default_factory=list)  # samplers with stored figures, "all" and "trainer" excluded
     latest: dict[str, dict[str, tuple[float, int]]] = field(default_factory=dict)  # sampler -> name -> (value, step)
     alerts: dict[str, int] = field(default_factory=dict)  # pending / firing -> count
-
-
-def runs_named(session: Session, names: Sequence[str] | None) -> Sequence[Run]:
-    query = select(Run).order_by(Run.id)
-    if names is not None:
-        query = query.where(Run.name.in_(names))
-    return session.scalars(query).all()
 
 
 def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) -> dict[int, RunFigures]:
@@ -78,13 +70,15 @@ def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) 
 
 
 def recent_points(
-    session: Session, series: Sequence[tuple[int, str]], names: Sequence[str], n_points: int
+    session: Session, series: Sequence[tuple[int, int, str]], names: Sequence[str], n_points: int
 ) -> dict[tuple[int, str, str], list[tuple[int, float]]]:
-    """The newest ``n_points`` (step, value) of each (run, sampler) x name in the run's current segment.
+    """The newest ``n_points`` (step, value) of each (run, segment, sampler) x name; keyed (run, sampler, name).
 
     One small query per series, each walking the (run, sampler, name, step) index backwards, so the
     cost grows with the points returned, not with the runs' history (one window-function query
     would read every stored point of every run; one UNION of them all spends longer being parsed).
+    Callers bound ``series`` by a page of runs. Run through the session (a cached compiled statement),
+    not the driver's cursor, so that statement counts see them.
     """
     out: dict[tuple[int, str, str], list[tuple[int, float]]] = {}
     if n_points <= 0:
@@ -100,10 +94,9 @@ def recent_points(
         .order_by(MetricPoint.step.desc())
         .limit(n_points)
     )
-    segments = dict(session.execute(select(Run.id, Run.segment).where(Run.id.in_({r for r, _ in series}))).all())
-    with driver_cursor(session, query) as fetch:
-        for run_id, sampler in series:
-            for name in names:
-                rows = fetch({"run_id": run_id, "sampler": sampler, "name": name, "segment": segments[run_id]})
-                out[(run_id, sampler, name)] = [(int(step), float(value)) for step, value in reversed(rows)]
+    for run_id, segment, sampler in series:
+        for name in names:
+            values = {"run_id": run_id, "sampler": sampler, "name": name, "segment": segment}
+            rows = session.execute(query, values).all()
+            out[(run_id, sampler, name)] = [(int(step), float(value)) for step, value in reversed(rows)]
     return out

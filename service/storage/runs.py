@@ -20,11 +20,16 @@ def run_by_name(session: Session, name: str) -> Run | None:
     return session.scalar(select(Run).where(Run.name == name))
 
 
-def list_runs(session: Session, limit: int, after: str | None = None) -> Sequence[Run]:
-    """Up to ``limit`` runs in creation order, from the one after the run called ``after`` (keyset pages)."""
+def list_runs(
+    session: Session, limit: int, after: str | None = None, names: Sequence[str] | None = None
+) -> Sequence[Run]:
+    """Up to ``limit`` runs in creation order, from the one after the run called ``after`` (keyset pages),
+    only those called ``names`` when given. One query."""
     query = select(Run).order_by(Run.id).limit(limit)
     if after is not None:
         query = query.where(Run.id > select(Run.id).where(Run.name == after).scalar_subquery())
+    if names is not None:
+        query = query.where(Run.name.in_(names))
     return session.scalars(query).all()
 
 

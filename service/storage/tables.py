@@ -92,7 +92,7 @@ class Batch(Base):
         # created_at: a replay's first batch of a step (batch_by_content) read in order from this index, not
         # from ix_batches_run_created along the run's whole history.
         Index("ix_batches_run_step", "run_id", "step", "created_at"),
-        # The pace read's newest accepted and newest finished batches (service.ingest.pace).
+        # The pace read's newest accepted and newest finished batches (service.reads.pace).
         Index("ix_batches_run_created", "run_id", "created_at"),
         Index("ix_batches_run_status_finished", "run_id", "status", "finished_at"),
     )

@@ -4,6 +4,7 @@
 
 const TOKEN_KEY = "collapse-monitor.token";
 const SERIES_LIMIT = 1000000; // the API's largest page of points
+const OVERVIEW_MAX_RUNS = 1000; // the API's largest page of runs (the compare page lists them)
 
 const api = {
   token() {
@@ -17,6 +18,11 @@ const api = {
 
   // GET a JSON document; on 401/403 asks for a token once and retries with it.
   async get(path) {
+    return (await api.getPage(path)).body;
+  },
+
+  // GET a JSON document and the `after` of its next page (its `Link: <...>; rel="next"`; null on the last page).
+  async getPage(path) {
     for (let attempt = 0; ; attempt++) {
       const headers = { Accept: "application/json" };
       const token = api.token();
@@ -27,7 +33,8 @@ const api = {
         if (given !== null) continue;
       }
       if (!response.ok) throw new ApiError(path, response.status, await errorText(response));
-      return response.json();
+      const next = /<([^>]*)>;\s*rel="next"/.exec(response.headers.get("Link") || "");
+      return { body: await response.json(), after: next ? new URL(next[1], location.href).searchParams.get("after") : null };
     }
   },
 
@@ -47,10 +54,18 @@ const api = {
     return Object.fromEntries(body.metrics.map((m) => [m.stored, m]));
   },
 
-  // Runs with what the runs page shows (status, latest figures, sparklines), in one request;
-  // all runs, or only those named.
+  // Runs with what the runs page shows (status, latest figures, sparklines), in one request:
+  // the first OVERVIEW_MAX_RUNS runs, or only those named.
   async overview(points, runs) {
-    return (await api.get("/v1/overview" + api.query({ points, runs: runs && runs.join(",") }))).runs;
+    const params = { points, runs: runs && runs.join(","), limit: OVERVIEW_MAX_RUNS };
+    return (await api.get("/v1/overview" + api.query(params))).runs;
+  },
+
+  // A page of `limit` runs after the run called `after` (the first page without it): {runs, after}, where
+  // `after` opens the next page (null on the last).
+  async overviewPage(points, limit, after) {
+    const page = await api.getPage("/v1/overview" + api.query({ points, limit, after }));
+    return { runs: page.body.runs, after: page.after };
   },
 
   async run(run) {

@@ -1,7 +1,9 @@
-// The runs page: one row per run with its status light, latest MI and retrieval, sort and filter.
+// The runs page: one row per run with its status light, latest MI and retrieval, sort and filter; a page of
+// runs at a time (the overview's keyset pages, oldest run first), and only the shown page is polled.
 "use strict";
 
 const SPARK_POINTS = 60;
+const PAGE_RUNS = 100; // the overview's default page; ?limit= in the page's URL changes it
 const STATUS_ORDER = { firing: 0, pending: 1, healthy: 2, waiting: 3 };
 
 const COLUMNS = [
@@ -22,6 +24,10 @@ const view = {
   sort: params.get("sort") || "last_batch",
   descending: params.get("order") ? params.get("order") === "desc" : true,
   selected: new Set(),
+  limit: Math.min(Math.max(Math.trunc(Number(params.get("limit"))) || PAGE_RUNS, 1), 1000), // the API takes 1-1000
+  after: params.get("after") || null, // the page shown: the runs after this one (null: the first page)
+  next: null, // the `after` of the next page; null on the last
+  earlier: [], // the `after` of the pages before the shown one, as they were followed
 };
 
 function latest(run, name) {
@@ -30,7 +36,9 @@ function latest(run, name) {
 
 function keepInUrl() {
   const url = new URL(location.href);
-  url.search = api.query({ q: view.filter, sort: view.sort, order: view.descending ? "desc" : "asc" });
+  const order = view.descending ? "desc" : "asc";
+  const limit = view.limit === PAGE_RUNS ? null : view.limit;
+  url.search = api.query({ q: view.filter, sort: view.sort, order, limit, after: view.after });
   history.replaceState(null, "", url);
 }
 
@@ -80,8 +88,30 @@ function render() {
   const noun = view.runs.length === 1 ? "run" : "runs";
   count.textContent =
     runs.length === view.runs.length ? `${runs.length} ${noun}` : `${runs.length} of ${view.runs.length} ${noun}`;
-  document.getElementById("empty").hidden = view.runs.length > 0;
+  document.getElementById("empty").hidden = view.runs.length > 0 || view.after !== null;
+  renderPager();
   renderCompare();
+}
+
+// Sorting and the filter work within the shown page; the pages follow the runs' creation order.
+function renderPager() {
+  const pager = document.getElementById("pager");
+  pager.hidden = view.after === null && view.next === null;
+  const previous = document.getElementById("previous-page");
+  previous.disabled = view.after === null;
+  previous.onclick = () => turnTo(view.earlier.length ? view.earlier.pop() : null);
+  const next = document.getElementById("next-page");
+  next.disabled = view.next === null;
+  next.onclick = () => {
+    view.earlier.push(view.after);
+    turnTo(view.next);
+  };
+}
+
+async function turnTo(after) {
+  view.after = after;
+  keepInUrl();
+  await refresh().catch((error) => console.warn(error)); // the poll shows it, and tries again
 }
 
 function row(r) {
@@ -143,13 +173,24 @@ function alertText(alerts) {
 
 function renderCompare() {
   const link = document.getElementById("compare-link");
-  const names = [...view.selected].filter((n) => view.runs.some((r) => r.name === n));
+  const names = [...view.selected]; // runs picked on other pages too
   link.href = "/compare" + api.query({ runs: names.join(",") });
   link.textContent = names.length ? `Compare ${names.length} selected` : "Compare runs";
 }
 
 async function refresh() {
-  view.runs = await api.overview(SPARK_POINTS);
+  const after = view.after;
+  let page;
+  try {
+    page = await api.overviewPage(SPARK_POINTS, view.limit, after);
+  } catch (error) {
+    if (error.status !== 404 || after === null || after !== view.after) throw error;
+    [view.after, view.earlier] = [null, []]; // the run the page started after was deleted: the first page
+    keepInUrl();
+    return refresh();
+  }
+  if (after !== view.after) return; // the page was turned while this poll was out: its answer is the old page's
+  [view.runs, view.next] = [page.runs, page.after];
   render();
 }
 

@@ -108,6 +108,40 @@ def test_runs_page_lists_runs_created_through_the_api_with_their_status_lights(b
     page.close()
 
 
+@pytest.mark.usefixtures("runs")
+def test_runs_page_shows_a_page_of_runs_at_a_time_and_polls_only_the_shown_page(browser, server):
+    names = [r["name"] for r in httpx.get(f"{server}/v1/overview", params={"points": 0}).json()["runs"]]
+    assert len(names) >= 3
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    console = Console(page)
+    asked: list[str] = []
+    page.on("request", lambda r: asked.append(r.url) if "/v1/overview" in r.url else None)
+    page.goto(f"{server}/?limit=2")  # the page passes its limit on to the overview
+
+    def shown() -> list[str | None]:
+        return sorted(row.get_attribute("data-run") for row in page.locator("#runs tbody tr").all())
+
+    page.wait_for_selector(f'#runs tbody tr[data-run="{names[0]}"]')
+    assert shown() == sorted(names[:2])
+    assert page.locator("#previous-page").is_disabled()
+    page.click("#next-page")
+    page.wait_for_selector(f'#runs tbody tr[data-run="{names[2]}"]')
+    assert shown() == sorted(names[2:4])
+    assert f"after={names[1]}" in page.url  # a reload stays on the page
+    asked.clear()
+    page.wait_for_event("request", lambda r: "/v1/overview" in r.url, timeout=20_000)  # the next poll (every 5 s)
+    assert asked
+    assert all("limit=2" in url and f"after={names[1]}" in url for url in asked), asked
+    page.click("#previous-page")
+    page.wait_for_selector(f'#runs tbody tr[data-run="{names[0]}"]')
+    assert shown() == sorted(names[:2])
+    assert console.errors == []
+    page.goto(f"{server}/?limit=2&after=deleted-since")  # a link to a page whose first run is gone: the first page
+    page.wait_for_selector(f'#runs tbody tr[data-run="{names[0]}"]')
+    assert "after=" not in page.url
+    page.close()
+
+
 def drawn_points(page: Page) -> list[dict]:
     drawn: list[dict] = page.evaluate(
         """() => window.collapseMonitor.group.members.flatMap(m => m.series.map((s, i) => ({

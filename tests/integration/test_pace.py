@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.ingest.pace import Pace
+from service.reads.pace import Pace
 from tests.fixtures import long_batch, wait_for
 
 pytestmark = pytest.mark.integration

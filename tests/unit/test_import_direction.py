@@ -49,7 +49,9 @@ def modules_under(*folders: str) -> list[str]:
 
 
 def test_use_cases_storage_metrics_and_alerts_import_no_web_framework():
-    below_the_api = modules_under("service/storage", "service/alerts", "service/ingest", "service/jobs")
+    below_the_api = modules_under(
+        "service/storage", "service/alerts", "service/ingest", "service/reads", "service/jobs"
+    )
     loaded = modules_loaded_by("import " + ", ".join([*below_the_api, "service.metrics", "service.snapshot"]))
     assert not loaded & {"fastapi", "starlette", "uvicorn"}
 
@@ -136,6 +138,7 @@ LAYERS = (
     ("service.runtime",),
     ("service.api",),
     ("service.ingest",),
+    ("service.reads",),
     ("service.jobs",),
     ("service.alerts",),
     ("service.access", "service.loops", "service.metrics", "service.snapshot"),

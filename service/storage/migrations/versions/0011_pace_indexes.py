@@ -1,4 +1,4 @@
-"""Indexes for the pace read (``service.ingest.pace``): a run's newest accepted and newest finished batches
+"""Indexes for the pace read (``service.reads.pace``): a run's newest accepted and newest finished batches
 
 Without them each scheduled post sorted the run's whole batch history (~94 ms at 1,000 batches on
 SQLite); with them it reads its last few rows whatever the history. ``ix_batches_run_step`` gains
