@@ -334,6 +334,7 @@ def waits_of(seen: dict[str, list[tuple[float, int]]]) -> dict:
 
 UNREAD_POINTS = 50_000  # a ~7 MB answer, far past the socket buffers (4 KB asked by the client, 4 MB at most sent)
 UNREAD_SECONDS = 30
+UNREAD_STALL_SECONDS = 10  # response_stall_seconds lowered from its 60 s, so that the drop shows within UNREAD_SECONDS
 
 
 def unread_series(clients: int) -> dict:
@@ -342,7 +343,7 @@ def unread_series(clients: int) -> dict:
     ``/readyz``, a short series read and ``GET /v1/runs`` of other clients (issue 29: 16 such clients held
     the pool, every database request answered 503 after the pool timeout, none closed in 60 s)."""
     request = b"GET /v1/runs/s/metrics?limit=1000000&segments=all HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-    with server() as srv:
+    with server(RESPONSE_STALL_SECONDS=str(UNREAD_STALL_SECONDS)) as srv:
         httpx.post(srv.base + "/v1/runs", json={"name": "s"}, timeout=60)
         seed(srv.url, "s", UNREAD_POINTS // 10, [f"m{k}" for k in range(10)])
         answer_bytes = len(httpx.get(srv.base + "/v1/runs/s/metrics?limit=1000000&segments=all", timeout=120).content)
