@@ -37,6 +37,7 @@ from service.api.middleware import (
 from service.api.rate_limit import BodyBudget
 from service.api.state import AppState
 from service.errors import DatabaseUnavailable, MonitorError, StorageFull, field_path, rejection_reasons
+from service.ingest.limits import IngestLimits
 from service.metrics import (
     SCORING_SECONDS_BUCKETS,
     DiagnosticsCollector,
@@ -92,6 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
             tokens=TokenCache(sessions, settings.token_cache_seconds),
             database_probe=DatabaseProbe(engine, url),
             bodies=BodyBudget(settings.max_parsing_bytes),
+            ingest_limits=IngestLimits.of(settings),
         )
         snapshot = SnapshotCache(lambda: read_snapshot(sessions), settings.metrics_cache_seconds)
         registry.register(DiagnosticsCollector(snapshot, settings.max_exported_series, snapshot_outage))

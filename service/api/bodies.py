@@ -37,9 +37,8 @@ from pydantic import AliasChoices, AliasPath, BaseModel, TypeAdapter, Validation
 from starlette.exceptions import HTTPException
 
 from service.errors import InvalidRequest
-from service.ingest.limits import check_size
+from service.ingest.limits import IngestLimits, check_size
 from service.schemas.inputs import BatchIn, FilterRequest, MatrixBatchIn, TrajectoryIn
-from service.settings import Settings
 
 M = TypeVar("M", bound=BaseModel)
 MAX_LISTED_ERRORS = 20  # a 422 lists this many errors and counts the rest: its size is bounded, not the body's
@@ -92,7 +91,7 @@ class ListSize:
     """A top-level list of a body and the limit on its length, as its handler's 413 words it (``check_size``)."""
 
     field: str
-    limit: str  # the Settings field
+    limit: str  # the IngestLimits field (named as in Settings)
     what: str
     unit: str
 
@@ -109,12 +108,12 @@ BODY_SIZES: dict[type[BaseModel], tuple[ListSize, ...]] = {
 }
 
 
-def check_rewards(data: dict[str, Any], settings: Settings) -> None:
+def check_rewards(data: dict[str, Any], limits: IngestLimits) -> None:
     """A filter request's rewards: 413 over ``max_filter_rewards``; 422 when more than ``MAX_LISTED_ERRORS``
     are not numbers (1,000,000 ``true`` made pydantic build 10^6 errors: 1.9 GB, 10-30 s)."""
     groups = [g for g in data.get("rewards") or () if isinstance(g, list)]
     n_rewards = sum(len(g) for g in groups)
-    check_size(n_rewards, settings.max_filter_rewards, "a filter request", "rewards (max_filter_rewards)", "rewards")
+    check_size(n_rewards, limits.max_filter_rewards, "a filter request", "rewards (max_filter_rewards)", "rewards")
     listed: list[dict[str, Any]] = []
     n_bad = 0
     for i, group in enumerate(groups):
@@ -131,10 +130,10 @@ NOT_A_NUMBER = "Input should be a valid number"  # pydantic's words
 
 
 # Checks of nested parts, before validation, for the models whose nested items are refused by the million.
-NESTED_CHECKS: dict[type[BaseModel], Callable[[dict[str, Any], Settings], None]] = {FilterRequest: check_rewards}
+NESTED_CHECKS: dict[type[BaseModel], Callable[[dict[str, Any], IngestLimits], None]] = {FilterRequest: check_rewards}
 
 
-def check_json_sizes(data: Any, model: type[BaseModel], settings: Settings) -> None:
+def check_json_sizes(data: Any, model: type[BaseModel], limits: IngestLimits) -> None:
     """413 for a top-level list over its limit; 422 for top-level keys the model does not know, before
     pydantic validates anything (it would build one error per unknown key and per bad item)."""
     if not isinstance(data, dict):
@@ -142,10 +141,10 @@ def check_json_sizes(data: Any, model: type[BaseModel], settings: Settings) -> N
     for size in BODY_SIZES.get(model, ()):
         value = data.get(size.field)
         if isinstance(value, list):
-            check_size(len(value), getattr(settings, size.limit), size.what, size.unit, size.field)
+            check_size(len(value), getattr(limits, size.limit), size.what, size.unit, size.field)
     nested = NESTED_CHECKS.get(model)
     if nested is not None:
-        nested(data, settings)
+        nested(data, limits)
     if model.model_config.get("extra") != "forbid":
         return
     known = _known_keys(model)
@@ -199,7 +198,7 @@ def _known_keys(model: type[BaseModel]) -> set[str]:
     return known
 
 
-def parse_body(raw: bytes, model: type[M], settings: Settings) -> M:
+def parse_body(raw: bytes, model: type[M], limits: IngestLimits) -> M:
     """``raw`` validated as ``model``, refused as FastAPI refuses a declared body (locations under ``body``).
 
     Runs in the thread pool. The text is dropped once parsed, so that it and the parsed objects
@@ -214,7 +213,7 @@ def parse_body(raw: bytes, model: type[M], settings: Settings) -> M:
     except (RecursionError, ValueError) as e:  # nested too deep, a number of over 4300 digits: FastAPI's 400
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
     del text
-    check_json_sizes(data, model, settings)
+    check_json_sizes(data, model, limits)
     validate_items(data, model)
     try:
         return model.model_validate(data)

@@ -116,7 +116,7 @@ class AccessFirst(APIRoute):
                 raw = await request.body()
                 if not raw:
                     return await handler(request)  # a missing body: FastAPI's 422
-                parsed = await run_in_threadpool(parse_body, raw, model, state.settings)
+                parsed = await run_in_threadpool(parse_body, raw, model, state.ingest_limits)
                 return await handler(ParsedRequest(request, raw, parsed))
 
         return access_then_body

@@ -135,7 +135,7 @@ def ingest_batch(
     body: Annotated[BatchIn, Body(openapi_examples={"two groups": {"value": BATCH_EXAMPLE}})],
 ) -> BatchAccepted:
     """Accepts one training step's rollouts; answers before any scoring (follow ``status_url``)."""
-    accepted = batches.ingest_rollouts(state.sessions, state.settings, run, raw, body)
+    accepted = batches.ingest_rollouts(state.sessions, state.settings, state.ingest_limits, run, raw, body)
     _note_resume(state, run, "rollouts", accepted)
     return accepted
 
@@ -154,7 +154,7 @@ def ingest_batch(
 )
 def ingest_matrix(state: State, run: str, raw: RawBody, body: MatrixBatchIn) -> MatrixAccepted:
     """Stores a cross-scoring matrix computed by the trainer and returns its metrics (no model involved)."""
-    accepted = matrices.ingest_matrix(state.sessions, state.settings, run, raw, body)
+    accepted = matrices.ingest_matrix(state.sessions, state.settings, state.ingest_limits, run, raw, body)
     _note_resume(state, run, "matrix", accepted)
     return accepted
 

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.access import TokenCache
 from service.api.rate_limit import BodyBudget
+from service.ingest.limits import IngestLimits
 from service.metrics import ServiceMetrics
 from service.reads.series import SERIES_READERS
 from service.settings import Settings
@@ -35,6 +36,7 @@ class AppState:
     tokens: TokenCache
     database_probe: DatabaseProbe
     bodies: BodyBudget  # request bodies being parsed (service.api.deps.AccessFirst)
+    ingest_limits: IngestLimits  # what bodies, batches and matrices may hold: the slice of settings ingest reads
     pool: ScorerPool | None = None  # only with an embedded worker
     scorer_ready: threading.Event = field(default_factory=threading.Event)
     scorer_error: str | None = None

@@ -19,6 +19,7 @@ from scoring.partition import Extraction
 from service.ingest.figures import record_trainer_figures
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_after_race, replay_of
 from service.ingest.limits import (
+    IngestLimits,
     check_batch_limits,
     check_groups,
     check_queues,
@@ -39,12 +40,20 @@ from service.storage import queue, runs
 
 
 def ingest_rollouts(
-    sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    limits: IngestLimits,
+    run_name: str,
+    raw: bytes,
+    payload: BatchIn,
 ) -> BatchAccepted:
-    """Commits an accepted rollouts batch as queued; answers an identical replay as the first time."""
-    check_batch_limits(payload, settings)
+    """Commits an accepted rollouts batch as queued; answers an identical replay as the first time.
+
+    ``limits`` bound the batch; ``settings`` reach only the finish of a step off the schedule (its alerts).
+    """
+    check_batch_limits(payload, limits)
     check_groups(payload)
-    accepted, extraction, lag, found = _commit_rollouts(sessions, settings, run_name, raw, payload)
+    accepted, extraction, lag, found = _commit_rollouts(sessions, settings, limits, run_name, raw, payload)
     # After the commit: the warnings split every turn (linear in the text, but up to 32 MB of it),
     # which no transaction needs to wait for; a step off the schedule had it split for its figures.
     found = found or reasoning_summary(payload, extraction)
@@ -53,7 +62,12 @@ def ingest_rollouts(
 
 
 def _commit_rollouts(
-    sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: BatchIn
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    limits: IngestLimits,
+    run_name: str,
+    raw: bytes,
+    payload: BatchIn,
 ) -> tuple[BatchAccepted, Extraction, str | None, Found | None]:
     """The batch stored in one transaction (or an identical earlier one), the run's reasoning extraction,
     the warning that scoring lags behind the run (``service.reads.pace``), if it does, and the batch's
@@ -67,10 +81,10 @@ def _commit_rollouts(
         if replay is not None:
             return replay, extraction, None, None
         scheduled = is_scheduled(payload.step, run.score_every)
-        check_scoring_cost(payload, run, settings)
+        check_scoring_cost(payload, run, limits)
         check_token_ids(session, payload, run.scorer)
         if scheduled:  # a step off the schedule never waits in the queue
-            check_queues(session, run, settings)
+            check_queues(session, run, limits)
         snapshot = RunSnapshot.of(run)
         # Before the run's row lock (segment_for): pure work on the payload, which other ingests need not wait for.
         started = time.perf_counter()
@@ -94,7 +108,7 @@ def _commit_rollouts(
             checkpoint_id=checkpoint.id if checkpoint else None,
             status="queued",
         )
-        store_payload(session, run.id, len(raw), settings.max_stored_bytes_per_run)
+        store_payload(session, run.id, len(raw), limits.max_stored_bytes_per_run)
         session.add(batch)
         try:
             session.flush()

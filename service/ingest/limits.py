@@ -1,8 +1,13 @@
-"""What a batch may hold before it is queued: sizes, groups, scoring cost, token ids, queue depth."""
+"""What a batch may hold before it is queued: sizes, groups, scoring cost, token ids, queue depth.
+
+The checks read ``IngestLimits``, the slice of Settings they need, built once with the app's state
+(``service.app``), not the whole Settings.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
@@ -15,21 +20,50 @@ from service.storage import queue
 from service.storage.tables import Run, ScorerLimits
 
 
-def check_batch_limits(payload: BatchIn, settings: Settings) -> None:
+@dataclass(frozen=True)
+class IngestLimits:
+    """The slice of Settings that bounds what a body, batch or matrix may hold and what the queues take.
+
+    Fields are named as in Settings (docs/settings.md says what each means): the 413s name them.
+    """
+
+    max_trajectories: int
+    max_turns: int
+    max_text_chars: int
+    max_token_ids: int
+    max_matrix_rows: int
+    max_matrix_columns: int
+    max_matrix_cells: int
+    max_filter_groups: int
+    max_filter_rewards: int
+    max_scoring_cost: int
+    reasoning_window: int | None  # max_reasoning_tokens as the cost estimate counts it (None: whole reasonings)
+    max_queue_depth: int
+    max_queued_per_run: int
+    max_queued_per_token: int
+    max_stored_bytes_per_run: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> IngestLimits:
+        """The slice of ``settings``: each field read from the Settings field (or property) of its name."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+
+def check_batch_limits(payload: BatchIn, limits: IngestLimits) -> None:
     """413 for batches over the configured sizes; every oversized field is named, none is truncated."""
-    check_size(len(payload.trajectories), settings.max_trajectories, "a batch", "trajectories", "trajectories")
+    check_size(len(payload.trajectories), limits.max_trajectories, "a batch", "trajectories", "trajectories")
     for t, trajectory in enumerate(payload.trajectories):
-        check_size(len(trajectory.turns), settings.max_turns, "a trajectory", "turns", f"trajectories[{t}].turns", t)
+        check_size(len(trajectory.turns), limits.max_turns, "a trajectory", "turns", f"trajectories[{t}].turns", t)
         for k, turn in enumerate(trajectory.turns):
             where = f"trajectories[{t}].turns[{k}]"
             for name in ("prompt", "response", "reasoning"):
                 text = getattr(turn, name)
                 if text is not None:
-                    check_size(len(text), settings.max_text_chars, name, "characters", f"{where}.{name}", t)
+                    check_size(len(text), limits.max_text_chars, name, "characters", f"{where}.{name}", t)
             for name in ("prompt_token_ids", "reasoning_token_ids"):
                 ids = getattr(turn, name)
                 if ids is not None:
-                    check_size(len(ids), settings.max_token_ids, name, "token ids", f"{where}.{name}", t)
+                    check_size(len(ids), limits.max_token_ids, name, "token ids", f"{where}.{name}", t)
 
 
 def store_payload(session: Session, run_id: int, n_bytes: int, max_stored_bytes: int) -> None:
@@ -74,13 +108,13 @@ def check_groups(payload: BatchIn) -> None:
             )
 
 
-def check_scoring_cost(payload: BatchIn, run: Run, settings: Settings) -> None:
+def check_scoring_cost(payload: BatchIn, run: Run, limits: IngestLimits) -> None:
     """413 when scoring the batch would cost more than ``max_scoring_cost`` (see ``scoring_cost``)."""
-    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, settings.reasoning_window)
-    if cost > settings.max_scoring_cost:
+    cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, limits.reasoning_window)
+    if cost > limits.max_scoring_cost:
         raise TooLarge(
             f"scoring this batch would cost about {cost} tokens (rows x columns x tokens per pair, summed over "
-            f"the run's samplers), more than max_scoring_cost={settings.max_scoring_cost}; send fewer or shorter "
+            f"the run's samplers), more than max_scoring_cost={limits.max_scoring_cost}; send fewer or shorter "
             "trajectories, or create the run with a smaller sampler.num_samples",
             field="trajectories",
         )
@@ -150,24 +184,24 @@ def check_token_ids(session: Session, payload: BatchIn, scorer: str) -> None:
                     )
 
 
-def check_queues(session: Session, run: Run, settings: Settings) -> None:
+def check_queues(session: Session, run: Run, limits: IngestLimits) -> None:
     """429 when this run, or its token's runs, have too many batches waiting (they alone slow down); 503 when
     everyone's queue is full."""
     queued = queue.queue_depth(session, run.id)
-    if queued >= settings.max_queued_per_run:
+    if queued >= limits.max_queued_per_run:
         raise RunQueueFull(
             f"this run has {queued} batches waiting to be scored, its limit (max_queued_per_run); retry later",
             retry_after=5,
         )
     if run.created_by_token is not None:
         by_token = queue.token_queue_depth(session, run.created_by_token)
-        if by_token >= settings.max_queued_per_token:
+        if by_token >= limits.max_queued_per_token:
             raise TokenQueueFull(
                 f"the runs of the token that created this run have {by_token} batches waiting to be scored, its "
                 "share (max_queued_per_token); retry later",
                 retry_after=5,
             )
-    if queue.queue_depth(session) >= settings.max_queue_depth:
+    if queue.queue_depth(session) >= limits.max_queue_depth:
         raise Unavailable(
-            f"the scoring queue holds {settings.max_queue_depth} batches, its limit; retry later", retry_after=5
+            f"the scoring queue holds {limits.max_queue_depth} batches, its limit; retry later", retry_after=5
         )

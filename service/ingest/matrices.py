@@ -16,7 +16,7 @@ from scoring.dependence import DependenceConfig, dependence_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from service.errors import Conflict, InvalidRequest, NotFound, StepConflict, Unavailable
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
-from service.ingest.limits import check_size, store_payload
+from service.ingest.limits import IngestLimits, check_size, store_payload
 from service.ingest.runs import resume_warning, segment_for
 from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
@@ -31,20 +31,25 @@ from service.storage.points import Point
 from service.storage.tables import Batch
 
 
-def check_matrix_limits(payload: MatrixBatchIn, settings: Settings) -> None:
+def check_matrix_limits(payload: MatrixBatchIn, limits: IngestLimits) -> None:
     """413 for a matrix over its row, column or cell limits, before any numerical work on it."""
     n_rows = len(payload.row_group_ids)
-    check_size(n_rows, settings.max_matrix_rows, "a matrix", "rows (max_matrix_rows)", "row_group_ids")
+    check_size(n_rows, limits.max_matrix_rows, "a matrix", "rows (max_matrix_rows)", "row_group_ids")
     n_columns = len(set(payload.row_group_ids))
-    check_size(n_columns, settings.max_matrix_columns, "a matrix", "columns (max_matrix_columns)", "row_group_ids")
-    check_size(n_rows * n_columns, settings.max_matrix_cells, "a matrix", "cells (max_matrix_cells)", "L_seq")
+    check_size(n_columns, limits.max_matrix_columns, "a matrix", "columns (max_matrix_columns)", "row_group_ids")
+    check_size(n_rows * n_columns, limits.max_matrix_cells, "a matrix", "cells (max_matrix_cells)", "L_seq")
 
 
 MATRIX_ATTEMPTS = 3  # scorings of one matrix against an EMA state that concurrent uploads keep moving
 
 
 def ingest_matrix(
-    sessions: sessionmaker[Session], settings: Settings, run_name: str, raw: bytes, payload: MatrixBatchIn
+    sessions: sessionmaker[Session],
+    settings: Settings,
+    limits: IngestLimits,
+    run_name: str,
+    raw: bytes,
+    payload: MatrixBatchIn,
 ) -> MatrixAccepted:
     """Stores a trainer-computed matrix and its metric points at once: no model, no queue.
 
@@ -57,7 +62,7 @@ def ingest_matrix(
     from the new state (``MATRIX_ATTEMPTS`` times, then 503 with Retry-After), so each step's EMA
     follows the one written before it, as when the figures were computed inside the transaction.
     """
-    check_matrix_limits(payload, settings)
+    check_matrix_limits(payload, limits)
     try:
         payload.check()
     except InputError as e:
@@ -98,7 +103,7 @@ def ingest_matrix(
                     digest,
                     status="queued",  # finished below, in this transaction: no worker ever sees it
                 )
-                store_payload(session, run.id, len(raw), settings.max_stored_bytes_per_run)
+                store_payload(session, run.id, len(raw), limits.max_stored_bytes_per_run)
                 session.add(batch)
                 try:
                     session.flush()

@@ -16,6 +16,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from service.ingest.batches import ingest_rollouts
+from service.ingest.limits import IngestLimits
 from service.ingest.runs import create_run
 from service.schemas.inputs import BatchIn, RunCreate
 from service.storage.database import make_engine, make_sessions
@@ -69,7 +70,7 @@ def posting(database_url, settings_for) -> Iterator:
     def post(step: int) -> tuple[int, int]:
         before = (work.statements, work.ticks)
         raw = body(step)
-        ingest_rollouts(sessions, settings, "r", raw, BatchIn.model_validate_json(raw))
+        ingest_rollouts(sessions, settings, IngestLimits.of(settings), "r", raw, BatchIn.model_validate_json(raw))
         return work.statements - before[0], work.ticks - before[1]
 
     yield post
