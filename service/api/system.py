@@ -74,10 +74,8 @@ def snr_filter(state: State, body: FilterRequest) -> FilterResponse:
 
     A def handler: the work (linear in the rewards) runs in the thread pool, not on the event loop.
     """
-    settings = state.settings
-    check_size(
-        len(body.rewards), settings.max_filter_groups, "a filter request", "groups (max_filter_groups)", "rewards"
-    )
+    limit = state.ingest_limits.max_filter_groups
+    check_size(len(body.rewards), limit, "a filter request", "groups (max_filter_groups)", "rewards")
     # max_filter_rewards: checked on the JSON, before validation (service.api.bodies.check_rewards)
     result = filter_groups(body.rewards, body.filter_config())
     return FilterResponse(**vars(result))
