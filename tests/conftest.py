@@ -86,7 +86,7 @@ def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: in
     return ScoringBatch.from_rows([p for p, _ in chosen], [z for _, z in chosen], list(range(draws)))
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def pytest_configure() -> None:
     """Each pytest-xdist worker takes its share of the cores: torch's default (one thread per core) in every
     worker would oversubscribe them, and its threads spin while they wait."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
