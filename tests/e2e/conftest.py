@@ -8,11 +8,16 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from bench import serving
 from bench.serving import BIN, free_port
+from tests.e2e.browser import chromium_missing, launched
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 
 def need(binary: str) -> str:
@@ -103,3 +108,15 @@ def start_prometheus(processes: Processes, folder: Path, scrape_configs: str) ->
         ],
     )
     return f"http://127.0.0.1:{port}/api/v1/query"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    """Debian's headless Chromium for a module's page tests; skipped where it is missing, failed under CI=true."""
+    missing = chromium_missing()
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(missing)
+        pytest.skip(missing)
+    with launched() as b:
+        yield b

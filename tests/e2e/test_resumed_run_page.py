@@ -6,32 +6,19 @@ no chart at all while its header said "live · updated" (issue 29, row 3).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
-from tests.e2e.browser import Console, chromium_missing, launched, wait_for_charts
+from tests.e2e.browser import Console, wait_for_charts
 from tests.e2e.conftest import service_env, start_service
 from tests.fixtures import dependence_matrix
 
 if TYPE_CHECKING:
-    from playwright.sync_api import Browser
+    pass
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    missing = chromium_missing()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(missing)
-        pytest.skip(missing)
-    with launched() as b:
-        yield b
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ import httpx
 import pytest
 
 from bench.serving import issue_token
-from tests.e2e.browser import Console, chromium_missing, launched, screenshots, wait_for_charts
+from tests.e2e.browser import Console, screenshots, wait_for_charts
 from tests.e2e.conftest import Processes, service_env, start_service
 from tests.fixtures import dependence_matrix, trajectories
 
@@ -21,17 +20,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.e2e
 STEPS = 24
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    missing = chromium_missing()
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(missing)
-        pytest.skip(missing)
-    with launched() as b:
-        yield b
 
 
 @pytest.fixture(scope="module")
