@@ -13,10 +13,10 @@ from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_
 class IdTensor:
     """Stands for a tensor or array: anything with tolist()."""
 
-    def __init__(self, values: list[int]) -> None:
+    def __init__(self, values: list[float]) -> None:
         self.values = values
 
-    def tolist(self) -> list[int]:
+    def tolist(self) -> list[float]:
         return list(self.values)
 
 

@@ -158,13 +158,15 @@ def test_prometheus_scrapes_the_per_run_gauges_the_api_stores(stack, collapsing_
         result: list[dict] = body["data"]["result"]
         return result
 
+    stored = httpx.get(f"{stack.api}/v1/runs/{run}/metrics", params={"names": "mi_zscore_ema"}).json()["points"]
     series: list[dict] = []
 
+    # Until a scrape after the run's last step: one during its upload holds an earlier step's value.
     def scraped() -> bool:
         series[:] = query(f'collapse_monitor_mi_zscore_ema{{run="{run}"}}')
-        return bool(series)
+        return bool(series) and float(series[0]["value"][1]) == pytest.approx(stored[-1]["value"])
 
-    wait_until(scraped, 60, "Prometheus to scrape the run's gauges")
+    wait_until(scraped, 60, "Prometheus to scrape the run's gauges at its last step")
     (sample,) = series
     assert sample["metric"] | {"__name__": "", "instance": ""} == {
         "__name__": "",
@@ -173,7 +175,6 @@ def test_prometheus_scrapes_the_per_run_gauges_the_api_stores(stack, collapsing_
         "run": run,
         "sampler": "matrix",
     }
-    stored = httpx.get(f"{stack.api}/v1/runs/{run}/metrics", params={"names": "mi_zscore_ema"}).json()["points"]
     assert float(sample["value"][1]) == pytest.approx(stored[-1]["value"])
     assert query(f'collapse_monitor_conditional_entropy_nats{{run="{run}"}}')
 

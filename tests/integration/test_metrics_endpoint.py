@@ -59,6 +59,6 @@ def test_names_follow_prometheus_conventions(database_url, client_for):
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
         for sample in family.samples:
-            assert set(sample.labels) <= {"run", "sampler", "status", "reason", "method", "route", "le"}
+            assert set(sample.labels) <= {"run", "sampler", "status", "reason", "method", "route", "stream", "le"}
     requests = families(client)["collapse_monitor_requests"].samples
     assert any(s.labels["route"] == "/healthz" and s.labels["status"] == "200" for s in requests)
