@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -84,14 +82,6 @@ def trajectory_batch(seed: int, trajectories: int = 3, turns: int = 3, draws: in
             history = history + reasoning  # the next turn's prompt holds this turn's response
     chosen = [turn_rows[int(i)] for i in rng.integers(0, len(turn_rows), draws)]  # with replacement
     return ScoringBatch.from_rows([p for p, _ in chosen], [z for _, z in chosen], list(range(draws)))
-
-
-def pytest_configure() -> None:
-    """Each pytest-xdist worker takes its share of the cores: torch's default (one thread per core) in every
-    worker would oversubscribe them, and its threads spin while they wait."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
