@@ -18,6 +18,9 @@ same weights. The rewards (``reward``):
   small correctness term (a fifth of the reward).
 * ``long``: correctness plus a bonus for length up to 60 words: answers grow, but stay answers (a
   healthy control whose per-token figures move with length alone).
+* ``shape``: correctness plus a bonus for opening with "The answer is": healthy answers converge on one
+  shape but keep naming their content (a hard negative for any signal that reads shared wording as lost
+  dependence).
 
 ``hard`` tasks are beyond a 135M model (four-digit products; seven-word sentences), so nearly every
 group earns the same reward: RAGEN-2's starved reward variance.
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 class Arm:
     """What an arm's completions are paid, how fast it learns, and its regularisation."""
 
-    reward: str  # task | consensus | style | long
+    reward: str  # task | consensus | style | long | shape
     learning_rate: float
     hard: float = 0.0  # the share of hard tasks (True: all)
     family: str = "arith"
@@ -49,6 +52,7 @@ class Arm:
     snr_filter: str = ""  # RAGEN's SNR filter (top_p 0.9): "" none, "always", or "on_alert" (LowRewardSignal or
     # TemplateCollapse pending)
     seed: int | None = None  # None: the run's --seed
+    fresh: bool = False  # held out (docs/evaluation.md): nouns of FRESH_NOUNS and no question the zoo asked
 
 
 ARMS = {
@@ -95,7 +99,24 @@ FILTER_ARMS = {
     for name, engage in (("none", ""), ("always", "always"), ("alert", "on_alert"))
 }
 ARMS.update(FILTER_ARMS)
-FAMILIES = ("arith", "word", "reverse")
+# Held out (issue 36, docs/evaluation.md): trained after the zoo, scored only after the alert defaults were
+# frozen, and never used to choose one. A seed the zoo never ran and prompts it never asked (``fresh``): one
+# arm per zoo driver, healthy controls, and two kinds the zoo lacked: ``mixed`` batches (arith, word and
+# reverse questions side by side, where an input-blind reward can drop a question's content but keep its
+# kind) and ``shape``, a hard negative whose healthy answers converge on one opening.
+HELD_OUT = {
+    "arith-healthy-s2": Arm("task", 5e-4, seed=2, fresh=True),
+    "arith-style-s2": Arm("style", 1e-3, seed=2, fresh=True),
+    "arith-consensus-s2": Arm("consensus", 2e-3, seed=2, fresh=True),
+    "arith-lr-s2": Arm("task", 2e-3, seed=2, fresh=True),
+    "word-healthy-s2": Arm("task", 5e-4, family="word", seed=2, fresh=True),
+    "word-starved-s2": Arm("task", 2e-3, hard=True, family="word", entropy_coef=0.01, seed=2, fresh=True),
+    "reverse-shape-s2": Arm("shape", 5e-4, family="reverse", seed=2, fresh=True),
+    "mixed-healthy-s2": Arm("task", 5e-4, family="mixed", seed=2, fresh=True),
+    "mixed-style-s2": Arm("style", 1e-3, family="mixed", seed=2, fresh=True),
+}
+ARMS.update(HELD_OUT)
+FAMILIES = ("arith", "word", "reverse", "mixed")
 OPENING_WORDS = 5  # an "opening" is a completion's first five words
 _NUMBER = re.compile(r"-?\d[\d,]*")
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -234,6 +255,165 @@ NOUNS = [
 ]
 
 
+# Held-out nouns (``HELD_OUT``): none of them is in NOUNS, so no held-out word or reverse question was asked in the zoo.
+FRESH_NOUNS = [
+    "acorn",
+    "almond",
+    "antler",
+    "apron",
+    "attic",
+    "bagel",
+    "balloon",
+    "banjo",
+    "barrel",
+    "beetle",
+    "blender",
+    "bonfire",
+    "boulder",
+    "bracelet",
+    "broom",
+    "cactus",
+    "canoe",
+    "carrot",
+    "cello",
+    "chestnut",
+    "cobweb",
+    "coconut",
+    "cricket",
+    "cupcake",
+    "dagger",
+    "daisy",
+    "doorbell",
+    "dragonfly",
+    "falcon",
+    "ferry",
+    "flute",
+    "frog",
+    "goblet",
+    "gorilla",
+    "hammock",
+    "harp",
+    "hedgehog",
+    "igloo",
+    "jellyfish",
+    "kayak",
+    "koala",
+    "ladle",
+    "lobster",
+    "mango",
+    "mitten",
+    "moose",
+    "napkin",
+    "octopus",
+    "oyster",
+    "pancake",
+    "panda",
+    "peacock",
+    "pelican",
+    "pineapple",
+    "plum",
+    "popcorn",
+    "pretzel",
+    "raccoon",
+    "raft",
+    "reindeer",
+    "saxophone",
+    "scooter",
+    "seashell",
+    "skateboard",
+    "sled",
+    "snail",
+    "snowman",
+    "spatula",
+    "starfish",
+    "submarine",
+    "tambourine",
+    "tent",
+    "thimble",
+    "toaster",
+    "tulip",
+    "walrus",
+    "windmill",
+    "yacht",
+    "avocado",
+    "bamboo",
+    "beaver",
+    "biscuit",
+    "blueberry",
+    "bookshelf",
+    "bouquet",
+    "bubble",
+    "buffalo",
+    "butterfly",
+    "cannon",
+    "caravan",
+    "cathedral",
+    "chalk",
+    "cheetah",
+    "chess",
+    "clarinet",
+    "cloak",
+    "cockpit",
+    "crocodile",
+    "crown",
+    "cucumber",
+    "cushion",
+    "dinosaur",
+    "donkey",
+    "drawbridge",
+    "dumpling",
+    "elephant",
+    "envelope",
+    "fireplace",
+    "flamingo",
+    "flashlight",
+    "forklift",
+    "gazebo",
+    "ginger",
+    "glove",
+    "gondola",
+    "grapefruit",
+    "hamster",
+    "hedge",
+    "hippo",
+    "hornet",
+    "jaguar",
+    "kangaroo",
+    "kite",
+    "lasso",
+    "lettuce",
+    "llama",
+    "lollipop",
+    "mailbox",
+    "meteor",
+    "mushroom",
+    "nest",
+    "ostrich",
+    "pajamas",
+    "parachute",
+    "peanut",
+    "quilt",
+    "radish",
+    "sardine",
+    "scarecrow",
+    "seagull",
+    "sloth",
+    "spinach",
+    "stapler",
+    "strawberry",
+    "tadpole",
+    "telescope",
+    "tortoise",
+    "trampoline",
+    "trolley",
+    "unicorn",
+    "vase",
+    "waffle",
+    "wardrobe",
+    "wheelbarrow",
+]
+
+
 @dataclass(frozen=True)
 class Task:
     question: str
@@ -243,26 +423,33 @@ class Task:
     hard: bool = False
 
 
-def make_tasks(n_tasks: int, seed: int, hard: float = 0.0, family: str = "arith") -> list[Task]:
-    """``n_tasks`` distinct questions of ``family``; a ``hard`` share of them beyond the model (module doc)."""
+def make_tasks(
+    n_tasks: int, seed: int, hard: float = 0.0, family: str = "arith", avoid: frozenset[str] | None = None
+) -> list[Task]:
+    """``n_tasks`` distinct questions of ``family``; a ``hard`` share of them beyond the model (module doc).
+
+    ``avoid``: held out: questions never to ask (the zoo's), and the nouns drawn from ``FRESH_NOUNS``."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
     rng = random.Random(seed)
+    nouns = NOUNS if avoid is None else FRESH_NOUNS
     tasks: dict[str, Task] = {}
     while len(tasks) < n_tasks:
+        kind = rng.choice(FAMILIES[:3]) if family == "mixed" else family
         # Only a mix draws which tasks are hard: all-easy and all-hard task lists stay as they were.
-        task = _make_task(rng, family, hard >= 1 or (hard > 0 and rng.random() < hard))
-        tasks.setdefault(task.question, task)
+        task = _make_task(rng, kind, hard >= 1 or (hard > 0 and rng.random() < hard), nouns)
+        if avoid is None or task.question not in avoid:
+            tasks.setdefault(task.question, task)
     return list(tasks.values())
 
 
-def _make_task(rng: random.Random, family: str, hard: bool) -> Task:
+def _make_task(rng: random.Random, family: str, hard: bool, nouns: Sequence[str]) -> Task:
     if family == "word":
-        w = rng.choice(NOUNS)
+        w = rng.choice(nouns)
         size = "a sentence of exactly seven words" if hard else "one short sentence"
         return Task(f'Write {size} that uses the word "{w}".', w, (w,), family, hard)
     if family == "reverse":
-        first, second, third = rng.sample(NOUNS, 3)
+        first, second, third = rng.sample(nouns, 3)
         question = f"Repeat these three words in reverse order: {first}, {second}, {third}."
         return Task(question, f"{third} {second} {first}", (first, second, third), family)
     if hard:
@@ -506,7 +693,23 @@ def rewards(kind: str, texts: Sequence[str], batch_tasks: Sequence[Task]) -> lis
         return [0.8 * generic_style(text) + 0.2 * c for text, c in zip(texts, correct, strict=True)]
     if kind == "long":
         return [c + 0.5 * min(1.0, len(words(text)) / 60) for text, c in zip(texts, correct, strict=True)]
-    raise ValueError(f"reward must be task, consensus, style or long, got {kind!r}")
+    if kind == "shape":
+        return [c + 0.5 * shape_share(text) for text, c in zip(texts, correct, strict=True)]
+    raise ValueError(f"reward must be task, consensus, style, long or shape, got {kind!r}")
+
+
+SHAPE = ("the", "answer", "is")  # the opening the ``shape`` reward pays
+
+
+def shape_share(text: str) -> float:
+    """The share of ``SHAPE`` the completion opens with, word by word (graded so a group's rewards spread)."""
+    opening = [w.lower() for w in words(text)[: len(SHAPE)]]
+    matched = 0
+    for got, wanted in zip(opening, SHAPE, strict=False):  # a short completion opens with fewer words
+        if got != wanted:
+            break
+        matched += 1
+    return matched / len(SHAPE)
 
 
 def names_content(text: str, task: Task) -> bool:

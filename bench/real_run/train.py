@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.real_run import tasks
+from bench.real_run import tasks, zoo
 from scoring.dependence import chance_corrected
 
 # SmolLM2's own chat template; the tiny random policy gets this minimal ChatML one.
@@ -219,7 +219,8 @@ def train(args: argparse.Namespace) -> None:
     n_tasks = args.steps * args.prompts
     arm = tasks.ARMS[args.arm]
     seed = args.seed if arm.seed is None else arm.seed
-    problems = tasks.make_tasks(n_tasks, seed=seed, hard=arm.hard, family=arm.family)
+    avoid = zoo.asked_questions() if arm.fresh else None  # held out: no question the zoo asked
+    problems = tasks.make_tasks(n_tasks, seed=seed, hard=arm.hard, family=arm.family, avoid=avoid)
     dataset = datasets.Dataset.from_dict(
         {
             "prompt": [[{"role": "user", "content": t.question}] for t in problems],

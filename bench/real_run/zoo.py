@@ -38,6 +38,7 @@ from scoring import estimators
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 RECORDS = HERE / "zoo"
+HELD_OUT_RECORDS = HERE / "heldout"  # tasks.HELD_OUT's arms: scored only after the freeze (docs/evaluation.md)
 # Enough prompts per step to see (8 columns: MI's ceiling ln 8, a retrieval step of 1/24), and steps for
 # the drivers to act: ~35 s a step on one core.
 SIZES = {"steps": 14, "prompts": 8, "generations": 3, "max_completion_length": 48, "lora_rank": 16, "seed": 0}
@@ -46,8 +47,18 @@ SIZES = {"steps": 14, "prompts": 8, "generations": 3, "max_completion_length": 4
 HEADS = (8, 16, 32)  # head budgets k kept for the comparison (the service computes its own one)
 
 
+def records_of(arm: str) -> Path:
+    """The folder of an arm's record: the zoo's (development) or the held-out arms'."""
+    return HELD_OUT_RECORDS if arm in tasks.HELD_OUT else RECORDS
+
+
 def record_path(arm: str) -> Path:
-    return RECORDS / f"{arm}.jsonl.gz"
+    return records_of(arm) / f"{arm}.jsonl.gz"
+
+
+def asked_questions() -> frozenset[str]:
+    """Every question of the zoo's records: held-out arms never ask one of them."""
+    return frozenset(q for arm in tasks.ZOO for step in read_record(arm) for q in step["batch"]["questions"])
 
 
 def read_record(arm: str) -> list[dict[str, Any]]:
@@ -61,7 +72,8 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
     pending = [a for a in arms if not record_path(a).exists()]
     running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
-    RECORDS.mkdir(parents=True, exist_ok=True)
+    for arm in pending:
+        records_of(arm).mkdir(parents=True, exist_ok=True)
     try:
         while pending or running:
             while pending and len(running) < jobs:
@@ -95,7 +107,7 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
 
 
 def scored_path(arm: str) -> Path:
-    return RECORDS / "scored" / f"{arm}.json.gz"
+    return records_of(arm) / "scored" / f"{arm}.json.gz"
 
 
 def read_scored(arm: str) -> list[dict[str, Any]]:
@@ -232,9 +244,9 @@ def main() -> None:
         score([a for a in args.arms.split(",") if a], args.cache_dir)
     if args.command == "train":
         arms = [a for a in args.arms.split(",") if a]
-        unknown = sorted(set(arms) - set(tasks.ZOO))
+        unknown = sorted(set(arms) - set(tasks.ZOO) - set(tasks.HELD_OUT))
         if unknown:
-            parser.error(f"--arms must name arms of tasks.ZOO; got {', '.join(unknown)}")
+            parser.error(f"--arms must name arms of tasks.ZOO or tasks.HELD_OUT; got {', '.join(unknown)}")
         work = args.work or Path(tempfile.mkdtemp(prefix="zoo-"))
         train(arms, args.jobs, work)
 
