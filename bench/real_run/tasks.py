@@ -719,21 +719,30 @@ def names_content(text: str, task: Task) -> bool:
 
 
 def word_retrieval(texts: Sequence[str], batch_tasks: Sequence[Task]) -> tuple[float, float]:
-    """Words-only retrieval: (accuracy, chance) of finding each completion's own question among the batch's.
+    """Words-only retrieval of each completion's own question among the batch's (``slot_retrieval``)."""
+    return slot_retrieval(texts, [t.question for t in batch_tasks], [t.content for t in batch_tasks])
 
-    Each completion is matched to the distinct questions of the batch by the share of their slot
-    words it writes; it counts 1 when its own question alone scores highest, 1/k when k questions
-    tie at the top with it (no slot word written: a tie of all, chance). Chance is 1 / the number
-    of distinct questions.
+
+def slot_retrieval(
+    texts: Sequence[str], inputs: Sequence[str], contents: Sequence[tuple[str, ...]]
+) -> tuple[float, float]:
+    """Words-only retrieval: (accuracy, chance) of finding each text's own input among the batch's distinct ones.
+
+    Text i answered input ``inputs[i]``, whose slot words (the words a text that read it names) are
+    ``contents[i]``. Each text is matched to every distinct input by the share of its slot words it
+    writes; it counts 1 when its own input alone scores highest, 1/k when k inputs tie at the top with
+    it (no slot word written: a tie of all, chance). Chance is 1 / the number of distinct inputs; with
+    fewer than 2 there is nothing to retrieve: (0, 1).
     """
-    questions = sorted({t.question: t for t in batch_tasks}.values(), key=lambda t: t.question)
-    if len(questions) < 2:
+    slots = dict(zip(inputs, contents, strict=True))
+    distinct = sorted(slots)
+    if len(distinct) < 2:
         return 0.0, 1.0
     hits = 0.0
-    for text, own in zip(texts, batch_tasks, strict=True):
+    for text, own in zip(texts, inputs, strict=True):
         found = set(words(text))
-        overlap = [sum(w.lower() in found for w in q.content) / len(q.content) for q in questions]
+        overlap = [sum(w.lower() in found for w in slots[k]) / len(slots[k]) for k in distinct]
         top = max(overlap)
-        tied = [q.question for q, o in zip(questions, overlap, strict=True) if o == top]
-        hits += 1 / len(tied) if own.question in tied else 0.0
-    return hits / len(texts), 1 / len(questions)
+        tied = [k for k, o in zip(distinct, overlap, strict=True) if o == top]
+        hits += 1 / len(tied) if own in tied else 0.0
+    return hits / len(texts), 1 / len(distinct)

@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.real_run import tasks
+from bench.real_run import envs, tasks
 from scoring import estimators
 
 HERE = Path(__file__).parent
@@ -48,8 +48,13 @@ HEADS = (8, 16, 32)  # head budgets k kept for the comparison (the service compu
 
 
 def records_of(arm: str) -> Path:
-    """The folder of an arm's record: the zoo's (development) or the held-out arms'."""
-    return HELD_OUT_RECORDS if arm in tasks.HELD_OUT else RECORDS
+    """The folder of an arm's record: the zoo's (development) or the held-out arms' (multi-turn ones too)."""
+    return HELD_OUT_RECORDS if arm in tasks.HELD_OUT or arm in envs.AGENT_ARMS else RECORDS
+
+
+def is_agent(arm: str) -> bool:
+    """A multi-turn arm (``envs.AGENT_ARMS``, trained by ``bench.real_run.agent``)."""
+    return arm in envs.AGENT_ARMS
 
 
 def record_path(arm: str) -> Path:
@@ -81,9 +86,12 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
                 folder = work / arm
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
-                command = [sys.executable, "-m", "bench.real_run.train", "--arm", arm, "--out", str(folder)]
-                command += ["--save-on", "", "--stop-on", ""]
-                command += [flag for k, v in SIZES.items() for flag in (f"--{k.replace('_', '-')}", str(v))]
+                if is_agent(arm):  # its own sizes: bench.real_run.agent's defaults
+                    command = [sys.executable, "-m", "bench.real_run.agent", "--arm", arm, "--out", str(folder)]
+                else:
+                    command = [sys.executable, "-m", "bench.real_run.train", "--arm", arm, "--out", str(folder)]
+                    command += ["--save-on", "", "--stop-on", ""]
+                    command += [flag for k, v in SIZES.items() for flag in (f"--{k.replace('_', '-')}", str(v))]
                 with (folder / "train.log").open("wb") as log:
                     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
                 running[arm] = (process, time.monotonic())
@@ -118,7 +126,13 @@ def read_scored(arm: str) -> list[dict[str, Any]]:
 
 
 def batch_of(step: dict[str, Any]) -> dict[str, Any]:
-    """A recorded step as the rollouts batch ``attach`` would have sent (``BatchIn``): a group per question."""
+    """A recorded step as the rollouts batch ``attach`` would have sent (``BatchIn``): a group per question;
+    a multi-turn step as ``bench.real_run.agent`` sends it live (its turns as token ids)."""
+    if "episodes" in step:
+        from bench.real_run.agent import trajectories_of
+
+        episodes = step["episodes"]
+        return {"step": step["step"], "trajectories": trajectories_of(episodes, [e["reward"] for e in episodes])}
     batch = step["batch"]
     groups: dict[str, int] = {}
     trajectories = [
@@ -182,48 +196,56 @@ def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
         scorer="smollm2-135m",
         scorer_mode="reference",
         score_every=1,
-        samplers=("first_turn",),
+        samplers=("first_turn", "trajectory", "per_turn") if is_agent(arm) else ("first_turn",),
         num_samples=None,
         seed=0,
         temperature=1.0,
         filter=FilterSettings().model_dump(),
         alerts=AlertSettings(),
     )
-    kernel = rollouts.score_batch
-    seen: list[tuple[Any, Any]] = []  # (batch, CrossScores) of the step being scored
+    kernel = rollouts.score_with
+    seen: list[tuple[Any, Any]] = []  # (batch, CrossScores) of each sampler of the step being scored
 
     def recording(scorer_: Any, batch: Any, config: Any, check: Any = None) -> Any:
         cross = kernel(scorer_, batch, config, check)
         seen.append((batch, cross))
         return cross
 
+    def matrices(batch: Any, cross: Any) -> dict[str, Any]:
+        signature = estimators.column_signatures(batch.column_prompts, batch.n_columns)
+        return {
+            "L_seq": np.round(cross.L_seq, 6).tolist(),
+            "L_head": {str(k): np.round(cross.L_head[k], 6).tolist() for k in HEADS},
+            "lengths": cross.reasoning_lengths.tolist(),
+            "column_of_row": list(batch.column_of_row),
+            "signature": signature.tolist(),
+            "reasonings": [list(z) for z in batch.reasonings],
+        }
+
     emas: dict[str, Any] = {}
     steps = []
     for record in read_record(arm):
         seen.clear()
-        rollouts.score_batch = recording  # type: ignore[assignment]  # the bench keeps what the service drops
+        rollouts.score_with = recording  # type: ignore[assignment]  # the bench keeps what the service drops
         try:
             scored = rollouts.score_rollouts(
                 BatchIn.model_validate(batch_of(record)), run, emas, lambda: scorer, settings
             )
         finally:
-            rollouts.score_batch = kernel
+            rollouts.score_with = kernel
         emas.update(scored.ema)
         points: dict[str, dict[str, float]] = {}
         for point in scored.points:
             points.setdefault(point.sampler, {})[point.name] = point.value
-        ((batch, cross),) = seen
-        signature = estimators.column_signatures(batch.column_prompts, batch.n_columns)
+        # The samplers' matrices in the order they were scored: first_turn's at the top level (the zoo's
+        # layout), the others (multi-turn: trajectory, turn_1 ...) under "samplers".
+        by_sampler = {m.sampler: matrices(*found) for m, found in zip(scored.matrices, seen, strict=True)}
         steps.append(
             {
                 "step": record["step"],
                 "points": points,
-                "L_seq": np.round(cross.L_seq, 6).tolist(),
-                "L_head": {str(k): np.round(cross.L_head[k], 6).tolist() for k in HEADS},
-                "lengths": cross.reasoning_lengths.tolist(),
-                "column_of_row": list(batch.column_of_row),
-                "signature": signature.tolist(),
-                "reasonings": [list(z) for z in batch.reasonings],
+                **by_sampler.pop("first_turn"),
+                **({"samplers": by_sampler} if by_sampler else {}),
             }
         )
     return steps
@@ -244,9 +266,10 @@ def main() -> None:
         score([a for a in args.arms.split(",") if a], args.cache_dir)
     if args.command == "train":
         arms = [a for a in args.arms.split(",") if a]
-        unknown = sorted(set(arms) - set(tasks.ZOO) - set(tasks.HELD_OUT))
+        unknown = sorted(set(arms) - set(tasks.ZOO) - set(tasks.HELD_OUT) - set(envs.AGENT_ARMS))
         if unknown:
-            parser.error(f"--arms must name arms of tasks.ZOO or tasks.HELD_OUT; got {', '.join(unknown)}")
+            known = "tasks.ZOO, tasks.HELD_OUT or envs.AGENT_ARMS"
+            parser.error(f"--arms must name arms of {known}; got {', '.join(unknown)}")
         work = args.work or Path(tempfile.mkdtemp(prefix="zoo-"))
         train(arms, args.jobs, work)
 
