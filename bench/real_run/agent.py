@@ -131,17 +131,19 @@ def grpo_step(
     entropy_coef: float,
     scale_rewards: bool = True,
     kept_groups: set[int] | None = None,
-    micro_batch: int = 8,
 ) -> dict[str, float]:
     """One GRPO update on the episodes (module docstring); ``kept_groups``: train on these groups only (a filter).
 
+    One episode a forward pass, the logits computed only where the next token is the policy's
+    (``logits_to_keep``): a whole batch's [B, T, V] logits took 14 GB. Gradients add up over the episodes
+    under one normaliser, the step's token count, so the update is the whole batch's.
     Returns the step's figures: the loss, the policy's mean token entropy over every token it wrote, and
     the number of tokens trained on."""
     import torch
 
     grouped = torch.tensor(rewards, dtype=torch.float64).view(-1, generations)  # [groups, G]
     centred = grouped - grouped.mean(dim=1, keepdim=True)
-    advantages = centred / (grouped.std(dim=1, keepdim=True) + 1e-4) if scale_rewards else centred
+    advantages = (centred / (grouped.std(dim=1, keepdim=True) + 1e-4) if scale_rewards else centred).view(-1)
     trained = [e for e in range(len(episodes)) if kept_groups is None or episodes[e]["group"] in kept_groups]
     n_tokens = sum(sum(episodes[e]["policy_mask"]) for e in trained)
     figures = {"loss": 0.0, "entropy": 0.0, "trained_tokens": float(n_tokens)}
@@ -149,27 +151,16 @@ def grpo_step(
         return figures  # no group kept: no update (the caller counts a skipped step)
     optimizer.zero_grad(set_to_none=True)
     entropy_sum = 0.0
-    for first in range(0, len(trained), micro_batch):
-        chunk = trained[first : first + micro_batch]
-        width = max(len(episodes[e]["ids"]) for e in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        attention = torch.zeros(len(chunk), width, dtype=torch.long)
-        wrote = torch.zeros(len(chunk), width)
-        for row, e in enumerate(chunk):
-            n = len(episodes[e]["ids"])
-            ids[row, :n] = torch.tensor(episodes[e]["ids"])
-            attention[row, :n] = 1
-            wrote[row, :n] = torch.tensor(episodes[e]["policy_mask"], dtype=torch.float32)
-        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()  # [B, T-1, V]
+    for e in trained:
+        ids = torch.tensor([episodes[e]["ids"]])  # [1, T]
+        wrote = torch.tensor(episodes[e]["policy_mask"][1:], dtype=torch.bool)  # [T-1]: token t+1 is the policy's
+        positions = torch.nonzero(wrote).view(-1)  # [n]: where the logits predict a policy token
+        logits = model(input_ids=ids, logits_to_keep=positions).logits[0].float()  # [n, V]
         logp = torch.log_softmax(logits, dim=-1)
-        token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, T-1]: log p of each next token
-        token_entropy = -(logp.exp() * logp).sum(-1)  # [B, T-1]
-        mask = wrote[:, 1:]  # a token the policy wrote, predicted from the one before
-        advantage = torch.tensor(
-            [float(advantages.view(-1)[e]) for e in chunk], dtype=torch.float32
-        )  # [B]: the episode's advantage on each of its tokens
-        policy_term = -(advantage[:, None] * token_logp * mask).sum()
-        entropy_term = (token_entropy * mask).sum()
+        token_logp = logp.gather(-1, ids[0, positions + 1][:, None]).squeeze(-1)  # [n]
+        token_entropy = -(logp.exp() * logp).sum(-1)  # [n]
+        policy_term = -float(advantages[e]) * token_logp.sum()
+        entropy_term = token_entropy.sum()
         loss = (policy_term - entropy_coef * entropy_term) / n_tokens
         loss.backward()
         figures["loss"] += float(loss.detach())
