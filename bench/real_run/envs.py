@@ -307,7 +307,7 @@ def episode_reward(kind: str, episode: Episode, replies: Sequence[str]) -> float
         return 0.8 * sum(generic_share(r) for r in replies) / max(len(replies), 1) + 0.2 * task
     if kind == "long":
         mean_words = sum(len(words(r)) for r in replies) / max(len(replies), 1)
-        return task + 0.5 * min(1.0, mean_words / 40)
+        return task + 0.5 * min(1.0, mean_words / 20)  # replies are 32 tokens at most
     raise ValueError(f"reward must be task, blind or long, got {kind!r}")
 
 
