@@ -4,6 +4,10 @@ first-turn          the first turn of every trajectory with non-empty reasoning;
                     of them drawn without replacement; columns are the trajectories' group ids.
 trajectory-uniform  ``num_samples`` draws: a trajectory uniformly, then one of its non-empty
                     turns uniformly, with replacement; every draw is its own column.
+per-turn            ours, for multi-turn agents: one matrix per turn index k (labels ``turn_1`` ...
+                    ``turn_8``), the k-th turn of every trajectory that has one with non-empty
+                    reasoning (``num_samples`` of them, drawn as first-turn draws); a column per
+                    distinct prompt (at turn 1 the groups; later every history differs).
 
 Draws use ``numpy.random.RandomState`` with RAGEN's call sequence (``choice(valid, n,
 replace=False)``; ``randint(M)`` then ``randint(T_m)``), so a RandomState seeded like RAGEN's global
@@ -19,7 +23,17 @@ import numpy as np
 
 from scoring.batch import ScoringBatch, Tokens
 
-SAMPLERS = ("first_turn", "trajectory")
+SAMPLERS = ("first_turn", "trajectory", "per_turn")
+MAX_TURN_SAMPLERS = 8  # per_turn scores turns 1..8: a label a turn keeps /metrics and the page bounded
+
+
+def turn_label(turn: int) -> str:
+    """The label of the per-turn sampler's matrix of the 0-based ``turn``: ``turn_1`` for the first."""
+    return f"turn_{turn + 1}"
+
+
+def is_turn_label(label: str) -> bool:
+    return label.startswith("turn_") and label[5:].isdigit()
 
 
 @dataclass(frozen=True)
@@ -44,15 +58,31 @@ class SampledRows:
     sources: tuple[tuple[int, int], ...]
 
 
+def draw_samplers(
+    samplers: Sequence[str], trajectories: Sequence[Trajectory], num_samples: int | None, seed: Sequence[int]
+) -> dict[str, SampledRows | None]:
+    """Every sampler's rows by label (RAGEN's two under their names, ``per_turn`` as ``turn_1`` ...), None
+    where a sampler found no usable reasoning. Sampler s draws from ``RandomState([*seed, index of s])``."""
+    drawn: dict[str, SampledRows | None] = {}
+    for sampler in samplers:
+        own_seed = [*seed, SAMPLERS.index(sampler)]
+        if sampler == "per_turn":
+            drawn.update(sample_per_turn(trajectories, num_samples, own_seed) or {sampler: None})
+        else:
+            drawn[sampler] = sample_rows(sampler, trajectories, num_samples, own_seed)
+    return drawn
+
+
 def sample_rows(
     sampler: str, trajectories: Sequence[Trajectory], num_samples: int | None, seed: int | Sequence[int]
 ) -> SampledRows | None:
-    """Draws the rows of one sampler; None when no trajectory has usable reasoning."""
+    """Draws the rows of one of RAGEN's samplers; None when no trajectory has usable reasoning
+    (``per_turn``: see ``sample_per_turn``)."""
     if sampler == "first_turn":
         return sample_first_turn(trajectories, num_samples, seed)
     if sampler == "trajectory":
         return sample_trajectory_uniform(trajectories, num_samples, seed)
-    raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    raise ValueError(f"sampler must be one of first_turn, trajectory, got {sampler!r}")
 
 
 def sample_first_turn(
@@ -72,6 +102,34 @@ def sample_first_turn(
         [trajectories[m].group_id for m in chosen],
     )
     return SampledRows(batch=batch, sources=tuple((m, 0) for m in chosen))
+
+
+def sample_per_turn(
+    trajectories: Sequence[Trajectory], num_samples: int | None, seed: Sequence[int]
+) -> dict[str, SampledRows]:
+    """The per-turn sampler: per turn index (up to ``MAX_TURN_SAMPLERS``) with usable reasoning, its rows.
+
+    Turn k's draw uses ``RandomState([*seed, k])``, so adding a turn never changes another's rows."""
+    n_turns = min(max((len(t.turns) for t in trajectories), default=0), MAX_TURN_SAMPLERS)
+    drawn = {}
+    for k in range(n_turns):
+        valid = [m for m, t in enumerate(trajectories) if len(t.turns) > k and t.turns[k].reasoning_ids]
+        if not valid:
+            continue
+        if num_samples is not None and num_samples < len(valid):
+            chosen = [int(m) for m in np.random.RandomState([*seed, k]).choice(valid, num_samples, replace=False)]
+        else:
+            chosen = valid
+        turns = [trajectories[m].turns[k] for m in chosen]
+        # Rows that read the same prompt share a column (a group's first turn; later, episodes that went alike).
+        columns: dict[Tokens, int] = {}
+        batch = ScoringBatch.from_rows(
+            [t.prompt_ids for t in turns],
+            [t.reasoning_ids for t in turns],
+            [columns.setdefault(t.prompt_ids, len(columns)) for t in turns],
+        )
+        drawn[turn_label(k)] = SampledRows(batch=batch, sources=tuple((m, k) for m in chosen))
+    return drawn
 
 
 def sample_trajectory_uniform(

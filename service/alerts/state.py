@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session
 
+from scoring.samplers import is_turn_label
 from service.alerts.notifications import notifications
 from service.alerts.rules import RULES_VERSION, Episode, Replay, Rewind, Series, needed_series
 from service.schemas.alerts import AlertSettings
@@ -51,6 +52,8 @@ def update_alerts(
     """
     events: list[tuple[Alert, Event]] = []
     for sampler in samplers:
+        if is_turn_label(sampler):  # the per-turn breakdown is figures to read, not a stream to alert on
+            continue
         found = _evaluate(session, run, sampler, step, segment, (lost or {}).get(sampler), before)
         events += _reconcile(session, run.id, sampler, step, found)
     session.flush()  # alert ids for the deliveries

@@ -18,7 +18,7 @@ from scoring.dependence import scored_signals
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, token_entropy_stats
 from scoring.logprob_gap import LOGPROB_GAP, logprob_gap
 from scoring.partition import Extraction, turn_token_ids
-from scoring.samplers import SAMPLERS, SampledRows, Trajectory, Turn, sample_rows
+from scoring.samplers import SampledRows, Trajectory, Turn, draw_samplers
 from scoring.window import sequence_limit
 from service.errors import InvalidRequest
 from service.jobs.budget import Budget, ScoringRates
@@ -62,12 +62,7 @@ def score_rollouts(
     scored.result.scored_by = scored_by(scorer)
     rates = rates or ScoringRates()
     limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
-    drawn = {
-        sampler: sample_rows(
-            sampler, trajectories, run.num_samples, seed=[run.seed, payload.step, SAMPLERS.index(sampler)]
-        )
-        for sampler in run.samplers
-    }
+    drawn = draw_samplers(run.samplers, trajectories, run.num_samples, seed=[run.seed, payload.step])
     budget = Budget(
         step_budget(run, settings.scoring_budget_seconds),
         rates,
@@ -78,8 +73,7 @@ def score_rollouts(
         check,
     )
     budget.start({sampler: rows.batch for sampler, rows in drawn.items() if rows is not None})
-    for index, sampler in enumerate(run.samplers):
-        drawn_rows = drawn[sampler]
+    for index, (sampler, drawn_rows) in enumerate(drawn.items()):
         if drawn_rows is None:
             scored.skip_sampler(sampler, "no turn carries reasoning to score")
             continue
@@ -90,7 +84,7 @@ def score_rollouts(
         seconds = time.perf_counter() - started
         budget.spent(batch, cross.tokens_processed, seconds)
         scored.tokens += cross.tokens_processed
-        labels = _column_labels(sampler, rows.batch.column_group_ids, rows.sources, payload)
+        labels = _column_labels(sampler, rows.batch.column_group_ids, rows.batch.column_of_row, rows.sources, payload)
         diagnostics, ema = compute_diagnostics(
             cross.L_tok,
             cross.L_seq,
@@ -179,9 +173,19 @@ def _planned_rows(rows: SampledRows, plan: Plan) -> SampledRows:
 
 
 def _column_labels(
-    sampler: str, column_group_ids: tuple[int, ...], sources: tuple[tuple[int, int], ...], payload: BatchIn
+    sampler: str,
+    column_group_ids: tuple[int, ...],
+    column_of_row: tuple[int, ...],
+    sources: tuple[tuple[int, int], ...],
+    payload: BatchIn,
 ) -> list[int]:
-    """Breakdown labels: the prompt's group id (trajectory draws are columns of their own)."""
+    """Breakdown labels: the prompt's group id (trajectory draws are columns of their own; a per-turn column is
+    labelled with the group of its first row)."""
     if sampler == "first_turn":
         return list(column_group_ids)
-    return [payload.trajectories[m].group_id for m, _ in sources]
+    if sampler == "trajectory":
+        return [payload.trajectories[m].group_id for m, _ in sources]
+    first_row = {}
+    for (m, _), column in zip(sources, column_of_row, strict=True):
+        first_row.setdefault(column, payload.trajectories[m].group_id)
+    return [first_row[c] for c in range(len(column_group_ids))]

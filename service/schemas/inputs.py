@@ -20,6 +20,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from scoring.estimators import EstimatorConfig, per_token
 from scoring.partition import Extraction
+from scoring.samplers import is_turn_label
 from scoring.snr_filter import FilterConfig, FilterResult
 from service.schemas.alerts import AlertSettings
 from service.storage.labels import TRAINER
@@ -30,7 +31,8 @@ Step = Annotated[int, Field(ge=0, le=INT32_MAX, description="Training step.")]
 GroupId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 MAX_ABS_REWARD = 1e12  # far beyond any reward a trainer uses; keeps sums and spreads finite
 MAX_ABS_LOGPROB = 1e9  # nats; summed log-probabilities of any real sequence lie far inside
-RESERVED_SAMPLERS = ("first_turn", "trajectory", "all", TRAINER)  # rollout samplers, batch and trainer figures
+# rollout samplers (per_turn's matrices are turn_<k>), batch and trainer figures
+RESERVED_SAMPLERS = ("first_turn", "trajectory", "per_turn", "all", TRAINER)
 MAX_TRAINER_FIGURES = 256  # figures per request: a trainer logs a few dozen (TRL ~20, verl ~100)
 MAX_ABS_FIGURE = 1e15  # keeps every stored value a finite float that JSON and both databases hold
 
@@ -237,7 +239,7 @@ class ScheduleSettings(_Strict):
     )
 
 
-SamplerName = Literal["first_turn", "trajectory"]
+SamplerName = Literal["first_turn", "trajectory", "per_turn"]
 
 
 def _both_samplers() -> list[SamplerName]:
@@ -246,7 +248,11 @@ def _both_samplers() -> list[SamplerName]:
 
 class SamplerSettings(_Strict):
     samplers: list[SamplerName] = Field(
-        default_factory=_both_samplers, min_length=1, description="RAGEN's two samplers."
+        default_factory=_both_samplers,
+        min_length=1,
+        description="RAGEN's two samplers (the default), and per_turn: one matrix per turn index, stored as "
+        "samplers turn_1 ... turn_8 (multi-turn agents: which turn loses input dependence first; no alert "
+        "rule reads them).",
     )
     num_samples: int | None = Field(
         64, ge=2, le=65536, description="Rows drawn per sampler; null = all usable rows (within max_scoring_cost)."
@@ -439,15 +445,15 @@ class MatrixBatchIn(MatrixInput):
     sampler: str = Field(
         "matrix",
         pattern=r"^[a-z][a-z0-9_]{0,31}$",
-        description=f"Series name of these metrics; not one of {', '.join(RESERVED_SAMPLERS)}, which the "
+        description=f"Series name of these metrics; not one of {', '.join(RESERVED_SAMPLERS)} nor turn_<k>, which the "
         "service's own figures use.",
     )
 
     @field_validator("sampler")
     @classmethod
     def _own_series_name(cls, sampler: str) -> str:
-        if sampler in RESERVED_SAMPLERS:
-            raise ValueError(f"must not be one of {', '.join(RESERVED_SAMPLERS)}, got {sampler!r}")
+        if sampler in RESERVED_SAMPLERS or is_turn_label(sampler):
+            raise ValueError(f"must not be one of {', '.join(RESERVED_SAMPLERS)} or turn_<k>, got {sampler!r}")
         return sampler
 
     def check(self) -> None:

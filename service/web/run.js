@@ -108,6 +108,29 @@ const CHARTS = [
   },
 ];
 
+// Multi-turn runs scored with the per_turn sampler: one line per turn index (samplers turn_1 ... turn_8), so the
+// turn that loses input dependence first shows first.
+const TURN_COLORS = ["#0969da", "#8250df", "#bf3989", "#bc4c00", "#1a7f37", "#0a7e8c", "#6e7781", "#cf222e"];
+const isTurn = (sampler) => /^turn_\d+$/.test(sampler);
+
+function turnCharts() {
+  const turns = (page.overview?.samplers || []).filter(isTurn).sort((a, b) => a.slice(5) - b.slice(5));
+  if (!turns.length) return [];
+  const lines = (name) =>
+    turns.map((t, i) => ({ name, sampler: t, label: t.replace("_", " "), color: TURN_COLORS[i % TURN_COLORS.length] }));
+  return [
+    {
+      id: "turn-retrieval",
+      title: "Input dependence per turn: retrieval, chance-corrected",
+      unit: "share",
+      series: lines("retrieval_chance_corrected"),
+    },
+    { id: "turn-mi", title: "Mutual information per turn", unit: "nats / token", series: lines("mi_estimate") },
+  ];
+}
+
+const allCharts = () => [...CHARTS, ...turnCharts()];
+
 const page = {
   sampler: new URLSearchParams(location.search).get("sampler"),
   overview: null,
@@ -221,7 +244,9 @@ async function switchSampler(sampler) {
 function wanted() {
   const names = new Set();
   const samplers = new Set([page.sampler, ALL, TRAINER]);
-  for (const chart of CHARTS) for (const s of chart.series) names.add(s.name);
+  for (const chart of allCharts()) for (const s of chart.series) names.add(s.name);
+  names.add("distinct_prompts"); // not drawn: the few-prompts notice reads it
+  for (const sampler of (page.overview?.samplers || []).filter(isTurn)) samplers.add(sampler);
   return { names: [...names], samplers: [...samplers].filter(Boolean) };
 }
 
@@ -261,14 +286,16 @@ function chartSeries(chart) {
 
 function drawCharts() {
   document.getElementById("notice").hidden = !page.truncated;
-  const present = CHARTS.map((c) => chartSeries(c).map((s) => s.name).join(",")).join(";") + page.sampler;
+  showFewPrompts();
+  const shown = allCharts();
+  const present = shown.map((c) => chartSeries(c).map((s) => key(seriesSampler(s), s.name)).join(",")).join(";");
   const root = document.getElementById("charts");
   if (present !== page.chartKeys) {
     if (page.group) page.group.destroy();
     root.replaceChildren();
     page.group = charts.group((step) => pickStep(step));
     page.chartKeys = present;
-    for (const chart of CHARTS) {
+    for (const chart of shown) {
       const series = chartSeries(chart);
       const card = ui.el("section", { class: "card chart", id: `chart-${chart.id}`, dataset: { chart: chart.id } });
       card.append(chartHeader(chart, series));
@@ -330,10 +357,25 @@ function chartHeader(chart, series) {
 
 // Whether scoring keeps pace with the trainer (the run's scoring_lag, with the figures to change).
 async function loadLag() {
-  const lag = (await api.run(RUN)).scoring_lag;
+  const run = await api.run(RUN);
   const notice = document.getElementById("lag");
-  notice.textContent = lag || "";
-  notice.hidden = !lag;
+  notice.textContent = run.scoring_lag || "";
+  notice.hidden = !run.scoring_lag;
+  page.minPrompts = run.alerts.min_prompts;
+}
+
+// A step of fewer distinct prompts than the run's min_prompts is not judged by TemplateCollapse: say so when the
+// newest scored step of the shown sampler is one.
+function showFewPrompts() {
+  const held = page.series.get(key(page.sampler, "distinct_prompts"));
+  const prompts = held && held.values.length ? held.values[held.values.length - 1] : null;
+  const notice = document.getElementById("few-prompts");
+  notice.hidden = !(prompts !== null && page.minPrompts && prompts < page.minPrompts);
+  notice.textContent = notice.hidden
+    ? ""
+    : `The newest scored step of ${page.sampler} has ${prompts} distinct prompt${prompts === 1 ? "" : "s"}: ` +
+      `TemplateCollapse does not judge steps of fewer than ${page.minPrompts} (one retrieval miss moves the ` +
+      `signal by a third of its range there). Send rows of more prompts a step to be watched.`;
 }
 
 async function loadAlerts() {

@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 
 from scoring.samplers import (
+    MAX_TURN_SAMPLERS,
     Trajectory,
     Turn,
     coverage,
+    draw_samplers,
     sample_first_turn,
+    sample_per_turn,
     sample_rows,
     sample_trajectory_uniform,
 )
@@ -87,3 +90,36 @@ def test_coverage_counts_turns_with_reasoning():
 def test_unknown_sampler_is_refused():
     with pytest.raises(ValueError, match="sampler must be one of first_turn, trajectory, got 'turn'"):
         sample_rows("turn", trajectories(), None, 0)
+
+
+def test_per_turn_scores_each_turn_index_apart_with_a_column_per_distinct_prompt():
+    drawn = sample_per_turn(trajectories(), num_samples=None, seed=[0, 1, 2])
+    assert list(drawn) == ["turn_1", "turn_2", "turn_3"]
+    first, second, third = drawn.values()
+    # Turn 1: every trajectory with reasoning there, the group's shared prompt one column (as first_turn's).
+    assert first.sources == tuple((m, 0) for m in (0, 1, 3, 4, 5, 6, 7))
+    assert first.batch.column_prompts == ((0, 0), (1, 0), (2, 0), (3, 0))
+    assert first.batch.column_of_row == (0, 0, 1, 2, 2, 3, 3)
+    # Turn 2: every second rollout's reasoning is empty; each history is its own prompt and column.
+    assert second.sources == tuple((m, 1) for m in (0, 2, 4, 6))
+    assert second.batch.n_columns == 4
+    assert second.batch.reasonings == ((0, 1), (10, 1), (20, 1), (30, 1))
+    assert third.batch.n_rows == 8
+
+
+def test_per_turn_draws_each_turn_from_its_own_seed_without_replacement():
+    drawn = sample_per_turn(trajectories(), num_samples=3, seed=[5, 9, 2])
+    for k, label in enumerate(["turn_1", "turn_2", "turn_3"]):
+        valid = [m for m, t in enumerate(trajectories()) if t.turns[k].reasoning_ids]
+        expected = np.random.RandomState([5, 9, 2, k]).choice(valid, 3, replace=False)
+        assert [m for m, _ in drawn[label].sources] == list(expected)
+
+
+def test_per_turn_stops_at_eight_turns_and_skips_turns_without_reasoning():
+    long = [
+        Trajectory(group_id=g, turns=tuple(Turn((g, t), (t,) if t != 2 else ()) for t in range(11))) for g in range(2)
+    ]
+    drawn = draw_samplers(["first_turn", "per_turn"], long, None, seed=[0, 1])
+    assert list(drawn) == ["first_turn", "turn_1", "turn_2", "turn_4", "turn_5", "turn_6", "turn_7", "turn_8"]
+    assert MAX_TURN_SAMPLERS == 8
+    assert draw_samplers(["per_turn"], [Trajectory(0, (Turn((1,), ()),))], None, [0, 1]) == {"per_turn": None}
