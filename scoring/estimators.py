@@ -197,7 +197,7 @@ def compute_diagnostics(
     }
     signature = column_signatures(column_prompts, n_cols)
     correct_at, chance = retrieval_hits(L_tok, cols, signature)
-    metrics.update(retrieval_metrics(correct_at, chance, n_cols))
+    metrics.update(retrieval_metrics(correct_at, chance))
     group_ids = list(column_group_ids) if column_group_ids is not None else list(range(n_cols))
     diagnostics = Diagnostics(
         metrics={name: metrics[name] for name in PAPER_METRICS},
@@ -232,24 +232,36 @@ def prompt_posterior(L: np.ndarray) -> np.ndarray:
 def retrieval_hits(
     L_tok: np.ndarray, column_of_row: np.ndarray, signature: np.ndarray
 ) -> tuple[dict[int, np.ndarray], float]:
-    """Per-row retrieval hits at k in {1, 2, 4, 8} and the top-1 chance level.
+    """Per-row retrieval hits at k in {1, 2, 4, 8} and the top-1 chance level, over the distinct prompts.
 
-    Columns are ranked by L (higher first, the lower column index first on exact ties, so top-1
-    is ``argmax``); a hit is a ranked column whose prompt equals the row's own prompt, so
-    identical prompts count as one answer. k is capped at min(8, N) as in RAGEN.
+    Columns are ranked by L (higher first, the lower column index first on exact ties, so top-1 is
+    ``argmax``); identical prompts are one answer, placed where their best column ranks, so the
+    ranking is over the P distinct prompts and a hit at k is the row's own prompt among the first k
+    of them (k capped at min(8, P) as RAGEN caps it at min(8, N)). With no input dependence every
+    distinct prompt is equally likely first, so chance is 1/P; with every column a distinct prompt
+    (RAGEN's case) this is RAGEN's ranking and 1/N.
+
+    Naive equivalent per row: walk the columns sorted by -L (stable), keep each prompt's first
+    column, and find the position of the row's own prompt in that list.
     """
-    n_cols = L_tok.shape[1]
-    k_max = min(max(TOP_KS), n_cols)
-    ranked = np.argsort(-L_tok, axis=1, kind="stable")[:, :k_max]  # [R, k_max]
-    own = signature[column_of_row]  # [R]
-    hit = signature[ranked] == own[:, None]  # [R, k_max]
-    correct_at = {k: hit[:, : min(k, k_max)].any(axis=1) for k in (1, *TOP_KS)}
-    counts = np.bincount(signature, minlength=signature.max() + 1)
-    chance = float((counts[own] / n_cols).mean())
-    return correct_at, chance
+    n_rows, n_cols = L_tok.shape
+    n_prompts = int(signature.max()) + 1
+    ranked = np.argsort(-L_tok, axis=1, kind="stable")  # [R, N]
+    position = np.empty_like(ranked)  # [R, N] each column's place in its row's ranking
+    np.put_along_axis(position, ranked, np.arange(n_cols)[None, :], axis=1)
+    first = np.empty((n_rows, n_prompts), dtype=np.int64)  # [R, P] where each prompt's best column ranks
+    for s in range(n_prompts):
+        first[:, s] = position[:, signature == s].min(axis=1)
+    own = first[np.arange(n_rows), signature[column_of_row]]  # [R]
+    rank = 1 + (first < own[:, None]).sum(axis=1)  # [R] the own prompt's place among the distinct prompts
+    k_max = min(max(TOP_KS), n_prompts)
+    correct_at = {k: rank <= min(k, k_max) for k in (1, *TOP_KS)}
+    return correct_at, 1.0 / n_prompts
 
 
-def retrieval_metrics(correct_at: dict[int, np.ndarray], chance: float, n_cols: int) -> dict[str, float]:
+def retrieval_metrics(correct_at: dict[int, np.ndarray], chance: float) -> dict[str, float]:
+    """RAGEN's retrieval keys from ``retrieval_hits``: chance@k is k_eff / P, k_eff = min(k, 8, P)."""
+    n_prompts = round(1 / chance)
     accuracy = float(correct_at[1].mean())
     metrics = {
         "retrieval_accuracy": accuracy,
@@ -258,7 +270,7 @@ def retrieval_metrics(correct_at: dict[int, np.ndarray], chance: float, n_cols: 
     }
     for k in TOP_KS:
         accuracy_k = float(correct_at[k].mean())
-        chance_k = min(1.0, chance * min(k, max(TOP_KS), n_cols))
+        chance_k = min(k, max(TOP_KS), n_prompts) / n_prompts
         metrics[f"retrieval_accuracy@{k}"] = accuracy_k
         metrics[f"retrieval_chance_level@{k}"] = chance_k
         metrics[f"retrieval_above_chance@{k}"] = accuracy_k - chance_k

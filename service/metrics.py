@@ -85,12 +85,23 @@ EXPORTED = (
     ),
     Exported("retrieval_mrr", "retrieval_mrr_ratio", "Mean reciprocal rank of each row's own prompt."),
     Exported(
+        "nearest_log_ratio",
+        "nearest_log_ratio_nats",
+        "Sequence log-ratio of each reasoning's own prompt over its 3 most similar other prompts (uncapped).",
+    ),
+    Exported(
         "mi_permutation_p",
         "mi_permutation_pvalue_ratio",
         "Permutation p-value of the matched log-probs: how likely this much input dependence is with none.",
     ),
     Exported(
         "duplicate_row_ratio", "duplicate_rows_ratio", "Share of rows whose reasoning repeats a row of another prompt."
+    ),
+    Exported(
+        "distinct_prompts",
+        "distinct_prompts",
+        "Distinct prompts among the scored columns (P): retrieval's chance is 1/P; TemplateCollapse does not judge "
+        "a step of fewer than min_prompts.",
     ),
     Exported("rows", "scored_rows", "Reasoning rows scored at the last scored step."),
     Exported("columns", "scored_columns", "Prompts (columns) scored at the last scored step."),

@@ -52,6 +52,7 @@ SIGNALS = {
     "mi_seq_normalized": SignalSpec(0.01, "share of ln N"),
     "retrieval_chance_corrected": SignalSpec(0.02, "share of the way from chance to every row"),
     "retrieval_mrr": SignalSpec(0.0, "mean reciprocal rank"),
+    "nearest_log_ratio": SignalSpec(0.1, "nats a reasoning, own prompt over its 3 most similar prompts"),
 }
 Signal = Literal[
     "mi_zscore_ema",
@@ -64,6 +65,7 @@ Signal = Literal[
     "mi_seq_normalized",
     "retrieval_chance_corrected",
     "retrieval_mrr",
+    "nearest_log_ratio",
 ]
 
 
@@ -117,6 +119,22 @@ class AlertSettings(BaseModel):
         description="Consecutive scored steps a condition must hold to fire (NoReasoning: batches).",
     )
     resolve_window: int = Field(2, ge=1, le=MAX_WINDOW, description="Consecutive scored steps without it to resolve.")
+    release_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="TemplateCollapse (level signals): while firing, a step counts towards resolving only when the "
+        "signal is back above its level plus this share of the way from the level to the baseline (0.5: halfway), "
+        "so a partial recovery while the cause stands does not resolve the episode; 0: resolve at the level.",
+    )
+    min_prompts: int = Field(
+        PROMPTS_TO_SEE,
+        ge=2,
+        le=MAX_WINDOW,
+        description="TemplateCollapse does not judge a step whose scored rows come from fewer distinct prompts "
+        "(distinct_prompts): retrieval there moves by a third of its range on one miss (docs/alerts.md, Enough "
+        "rows to see). The step is neither a hold nor a miss, and does not enter the baseline.",
+    )
     entropy_signal: Literal["conditional_entropy_est", "token_entropy_mean"] = Field(
         "conditional_entropy_est", description="The entropy EntropyCollapse watches."
     )

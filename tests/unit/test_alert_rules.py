@@ -50,10 +50,37 @@ def test_a_firing_alert_on_a_good_step_says_the_signal_is_back_not_that_it_fell(
     signal = [4.0] * 5 + [1.0, 1.0, 1.0, 4.0]  # fired at 8, step 9 above the level, not yet resolved
     (episode,) = evaluate("r", "s", template_series(signal), ZSCORE)
     assert (episode.state, episode.last_step) == ("firing", 9)
-    assert "mi_zscore_ema 4 is back above 2.4 (baseline 4) over 4 scored steps since step 6 (held at 3 of them;" in (
-        episode.summary
+    assert (
+        "mi_zscore_ema 4 is back above 2.4 (baseline 4; it resolves above 3.2) over 4 scored steps since step 6 "
+        "(held at 3 of them;" in episode.summary
     )
     assert "fell below" not in episode.summary
+
+
+def test_a_partial_recovery_while_the_cause_stands_does_not_resolve_a_firing_episode():
+    # Fires below 2.4 (baseline 4, drop 0.4); releases only above 3.2, halfway back to the baseline.
+    partial = [4.0] * 5 + [1.0, 1.0, 1.0, 2.8, 2.9, 3.0, 1.0]
+    (episode,) = evaluate("r", "s", template_series(partial), ZSCORE)
+    assert (episode.fired_step, episode.resolved_step, episode.state) == (8, None, "firing")
+    recovered = [4.0] * 5 + [1.0, 1.0, 1.0, 3.5, 3.6]
+    (episode,) = evaluate("r", "s", template_series(recovered), ZSCORE)
+    assert (episode.resolved_step, episode.state) == (10, "resolved")
+    # release_fraction 0 resolves at the level itself, as before hysteresis: the episode flickers.
+    first, second = evaluate("r", "s", template_series(partial), ZSCORE.model_copy(update={"release_fraction": 0.0}))
+    assert (first.resolved_step, first.state, second.onset_step, second.state) == (10, "resolved", 12, "pending")
+
+
+def test_steps_of_fewer_prompts_than_min_prompts_are_not_judged_nor_in_the_baseline():
+    signal = [4.0, 4.0, 0.5, 4.0, 4.0, 4.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    prompts = [8.0, 8.0, 2.0, 8.0, 8.0, 8.0, 3.0, 3.0, 3.0, 8.0, 8.0]
+    series = {**template_series(signal), "distinct_prompts": steps(prompts)}
+    # Step 3 (2 prompts) stays out of the baseline and steps 7-9 (3 prompts) are not judged: the episode opens
+    # at step 10, the first low step of 8 prompts. With min_prompts 2 the same series opens it at step 7, and
+    # step 3's 0.5 enters the baseline (the median of 4.0, 4.0, 0.5 is still 4.0).
+    (episode,) = evaluate("r", "s", series, ZSCORE.model_copy(update={"window": 2}))
+    assert (episode.onset_step, episode.fired_step, episode.baseline) == (10, 11, 4.0)
+    (episode,) = evaluate("r", "s", series, ZSCORE.model_copy(update={"window": 2, "min_prompts": 2}))
+    assert episode.onset_step == 7
 
 
 def test_a_condition_still_short_of_the_window_is_pending():

@@ -116,7 +116,8 @@ def test_duplicate_prompts_count_as_one_answer_and_in_n():
     prompts = [[5, 6], [5, 6], [7]]
     m = diagnose(L, [1, 2, 0], prompts)[0].metrics
     assert m["retrieval_accuracy"] == 1.0
-    assert m["retrieval_chance_level"] == pytest.approx((2 / 3 + 1 / 3 + 2 / 3) / 3)
+    assert m["retrieval_chance_level"] == 0.5  # two distinct prompts, each as likely first with no dependence
+    assert m["retrieval_chance_level@2"] == 1.0  # k_eff = min(2, P)
     assert m["mi_upper_bound"] == pytest.approx(math.log(3))  # duplicates counted in N
     without = diagnose(L, [1, 2, 0])[0].metrics
     assert without["retrieval_accuracy"] == pytest.approx(2 / 3)

@@ -5,8 +5,11 @@ it counts as low (the absolute threshold, or a drop of more than ``drop_fraction
 baseline, whichever is higher), or, for ``mi_cusum``, a one-sided CUSUM of mi_estimate against its
 baseline that rises above ``cusum_threshold``. A step counts only while H(Z|X) stays within its band
 (no more than ``entropy_band`` below its baseline, ``entropy_band_above`` above): the failure entropy
-cannot see. When the episode reaches the latest batch it names that batch's prompts that lost input
-dependence. Must not import fastapi or touch the database.
+cannot see. A firing episode resolves only once the signal is back above its release level (halfway
+from the level to the baseline by default), so a partial recovery while the cause stands does not end
+it; steps of fewer than ``min_prompts`` distinct prompts are not judged. When the episode reaches the
+latest batch it names that batch's prompts that lost input dependence. Must not import fastapi or touch
+the database.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from service.schemas.alerts import CUSUM, SIGNALS, AlertSettings
 
 CUSUM_SE_FLOOR = 0.05  # share of the MI baseline: a standard error is never taken as smaller
 MI, SE, CI = "mi_estimate", "mi_estimate_se", "mi_estimate_ci_high"
+PROMPTS = "distinct_prompts"  # P, the distinct prompts of a step's scored rows (a step without it is judged)
 
 TEMPLATE_ADVICE = (
     "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "
@@ -61,7 +65,8 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
 
     @staticmethod
     def needs(config: AlertSettings) -> tuple[str, ...]:
-        return (*((config.signal,) if config.signal != CUSUM else ()), MI, SE, CI, SIGNALS[config.signal].entropy)
+        signal = (config.signal,) if config.signal != CUSUM else ()
+        return (*signal, MI, SE, CI, SIGNALS[config.signal].entropy, PROMPTS)
 
     def absorb(self, records: Records) -> list[tuple[int, TemplateRow]]:
         m, s, config, cumulative = self.m, self.s, self.config, self.config.signal == CUSUM
@@ -69,6 +74,8 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
         names = {MI, entropy_name} | (set() if cumulative else {config.signal})
         rows: list[tuple[int, TemplateRow]] = []
         for step, values in records:
+            if values.get(PROMPTS, math.inf) < config.min_prompts:
+                continue  # too few prompts to see: not judged, not in the baselines (AlertSettings.min_prompts)
             for name in names & values.keys():
                 m.head(name, values[name], config)
             s.has_intervals = s.has_intervals or CI in values
@@ -136,7 +143,10 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
         return True
 
     def judge(self, row: TemplateRow) -> tuple[bool, bool]:
-        config, (_, entropy_base, _, threshold, mi_level) = self.config, self.fixed
+        config, (signal_base, entropy_base, _, threshold, mi_level) = self.config, self.fixed
+        if self.m.fired is not None and config.signal != CUSUM:
+            # Hysteresis: a firing episode's cause stands until the signal is well back, not just over the level.
+            threshold = release_level(threshold, signal_base, config.release_fraction)
         hold = (
             (row.signal > threshold if config.signal == CUSUM else row.signal < threshold)
             and (1 - config.entropy_band) * entropy_base
@@ -162,14 +172,24 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
                 else ""
             )
             change = f"{config.signal} {value:.4g} fell below {threshold:.4g} (baseline {signal_base:.4g}){bound}"
-            if value >= threshold:  # a firing alert's good step: say so, not "fell below"
-                change = f"{config.signal} {value:.4g} is back above {threshold:.4g} (baseline {signal_base:.4g})"
+            if span.fired is not None and value >= threshold:  # a firing alert's good step: say so
+                release = release_level(threshold, signal_base, config.release_fraction)
+                change = (
+                    f"{config.signal} {value:.4g} is back above {threshold:.4g} (baseline {signal_base:.4g}; it "
+                    f"resolves above {release:.4g})"
+                )
         summary = (
             f"{self.name} on run {self.run} ({self.sampler}) at step {span.last}: {change} over {span.n_rows} scored "
             f"steps since step {span.onset}{recovering(span, config)}, while H(Z|X) {row.entropy:.4g} did not "
             f"fall (baseline {entropy_base:.4g})"
         )
         return Figures(value, signal_base, threshold, summary, self.advice)
+
+
+def release_level(threshold: float, baseline: float, fraction: float) -> float:
+    """Above this a firing episode's step counts as recovered: ``fraction`` of the way from the level back to
+    the baseline (the level itself when the baseline is not above it)."""
+    return threshold + fraction * (baseline - threshold) if baseline > threshold else threshold
 
 
 def lost_prompts(lost: list[int] | None) -> str:
