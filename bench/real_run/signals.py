@@ -5,17 +5,12 @@
 Reads the zoo (``bench.real_run.zoo``: each arm's recorded steps and the service's scoring of them)
 and judges every TemplateCollapse signal against an independent, words-only ground truth:
 
-* **Ground truth** per step: word retrieval above chance (``tasks.word_retrieval``: each completion
-  matched to the batch's questions by the slot words it writes, chance-corrected). Its level is the
-  mean over every step of the family's healthy control (``<family>-healthy``: every arm of a family
-  starts from the same weights); an arm **collapsed** at the first step from 2 on where the ground
-  truth is below half that level and stays there the next step (or it is the last step). An arm
-  that never does is healthy, whatever its driver was meant to do. A collapsed arm whose policy
-  entropy (TRL's ``entropy``) at the crossing is more than ``BLOW_UP`` times its step-1 entropy blew
-  up into text that reads nothing (an entropy explosion): TemplateCollapse, which watches input
-  dependence fall *while entropy does not*, is judged on the other collapses (``template``) only
-  (the entropy is read at the crossing and the two steps after it: an explosion takes a few steps),
-  and the blow-ups are reported apart.
+* **Ground truth, crossing and labels** as ``bench.real_run.protocol`` defines them (docs/evaluation.md):
+  word retrieval above chance per step; the level is the mean over every step of the family's healthy
+  controls; an arm crossed at the first step from 2 on where the truth is below half the level for 3
+  steps (to the end, at least 2, where it ends first); a crossed arm whose policy entropy (TRL's
+  ``entropy``) more than tripled by the crossing blew up, and TemplateCollapse, which watches input
+  dependence fall *while entropy does not*, is judged on the other collapses (``template``) only.
 * **Signals**: each candidate is the service's own rule (``service.alerts.rules.evaluate``) on the
   arm's stored series, with the run defaults but for the signal (and the variants named in
   ``CANDIDATES``); head budgets other than the service's are computed from the stored head sums with
@@ -35,6 +30,7 @@ Prints the table as JSON and writes it to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -43,15 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from bench.real_run import tasks, zoo
-from scoring.dependence import DependenceConfig, dependence_signals, head_per_token
+from bench.real_run import protocol, tasks, zoo
+from scoring.dependence import DependenceConfig, dependence_signals, head_per_token, nearest_log_ratio
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, per_token
 from service.alerts.rules import evaluate
 from service.schemas.alerts import AlertSettings
 
 GROUND_TRUTH = "word_retrieval_above_chance"
-BLOW_UP = 3.0  # policy entropy at the crossing over its step-1 value: past it, a collapse is an entropy explosion
-EARLY = 2  # a firing more than this many steps before the ground truth crossed is an early alarm, not a detection
+EARLY = protocol.WITHIN  # a firing more than this many steps before the crossing is an early alarm
 SERVICE_HEAD = 32  # the head budget the zoo's service computed (Settings.head_tokens when it scored)
 PROMPT_SUBSETS = (2, 3, 4, 6)  # the first n of the 8 prompts of every step: what a smaller scored batch sees
 # (label, AlertSettings fields, which series: "service" as stored, or "head@k" with the head budget k)
@@ -70,6 +65,7 @@ CANDIDATES: list[tuple[str, dict[str, Any], str]] = [
     ("retrieval_chance_corrected, window 1", {"window": 1}, "service"),
     ("retrieval_chance_corrected, window 3", {"window": 3}, "service"),
     ("retrieval_mrr", {"signal": "retrieval_mrr"}, "service"),
+    ("nearest_log_ratio", {"signal": "nearest_log_ratio"}, "service"),
     ("mi_seq_normalized", {"signal": "mi_seq_normalized"}, "service"),
     ("mi_estimate", {"signal": "mi_estimate"}, "service"),
     ("mi_estimate, baseline 5", {"signal": "mi_estimate", "baseline_steps": 5}, "service"),
@@ -103,32 +99,50 @@ CORRELATED = (  # series whose Spearman with task success and the ground truth i
 )
 
 
-def crossing(truth: Sequence[float], level: float) -> int | None:
-    """The 1-based step at which the ground truth fell below half ``level`` for good (module docstring)."""
-    half = 0.5 * level
-    for i in range(1, len(truth)):
-        if truth[i] < half and (i + 1 == len(truth) or truth[i + 1] < half):
-            return i + 1
-    return None
+def column_prompts(record: list[dict[str, Any]]) -> list[list[list[int]]]:
+    """Per recorded step, its columns' prompts as the scorer's token ids (columns in the order their questions
+    first appear, as ``zoo.batch_of`` numbers the groups)."""
+    tokenizer = _tokenizer()
+    out = []
+    for step in record:
+        firsts = dict.fromkeys(zip(step["batch"]["questions"], step["batch"]["prompts"], strict=True))
+        out.append([list(tokenizer.encode(prompt, add_special_tokens=False)) for _, prompt in firsts])
+    return out
+
+
+@functools.cache
+def _tokenizer() -> Any:
+    from scoring.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m", Path("~/.cache/collapse-monitor").expanduser())
 
 
 def family_level(family: str) -> float:
-    """The ground truth's level: its mean over the steps of the family's healthy control."""
-    return float(np.mean([s[GROUND_TRUTH] for s in zoo.read_record(f"{family}-healthy")]))
+    """The ground truth's level (``protocol.family_level``) over the zoo's healthy controls of ``family``."""
+    controls = [arm for arm in tasks.ZOO if protocol.is_healthy_control(arm, family)]
+    return protocol.family_level([[s[GROUND_TRUTH] for s in zoo.read_record(arm)] for arm in controls])
 
 
 def step_series(
-    scored: list[dict[str, Any]], source: str, columns: int | None = None
+    scored: list[dict[str, Any]], source: str, columns: int | None = None, prompts: list[Any] | None = None
 ) -> dict[str, list[tuple[int, float]]]:
     """An arm's first_turn series as the rules read them: as stored, or recomputed (another head budget, or
-    only the first ``columns`` prompts of each step) with the service's formulas."""
+    only the first ``columns`` prompts of each step) with the service's formulas. ``prompts``: per step, the
+    columns' prompt token ids, for ``nearest_log_ratio`` (the zoo was scored before it existed)."""
     series: dict[str, list[tuple[int, float]]] = {}
     ema = EmaState()
-    for step in scored:
+    for i, step in enumerate(scored):
         if source == "service" and columns is None:
-            values = step["points"]["first_turn"]
+            values = dict(step["points"]["first_turn"])
         else:
             values, ema = recompute(step, int(source.split("@")[1]) if "@" in source else SERVICE_HEAD, columns, ema)
+        if prompts is not None and "nearest_log_ratio" not in values:
+            n = columns or len(step["signature"])
+            cols = np.asarray(step["column_of_row"])
+            keep = np.flatnonzero(cols < n)
+            L_seq = np.asarray(step["L_seq"])[np.ix_(keep, range(n))]
+            signature = np.asarray(step["signature"][:n])
+            values["nearest_log_ratio"] = nearest_log_ratio(L_seq, cols[keep], signature, prompts[i][:n])
         for name, value in values.items():
             series.setdefault(name, []).append((step["step"], value))
     return series
@@ -194,17 +208,18 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
     for arm in arms:
         record, scored = zoo.read_record(arm), zoo.read_scored(arm)
         truth = [s[GROUND_TRUTH] for s in record]
-        cross = crossing(truth, family_level(tasks.ZOO[arm].family))
         entropy = [s["trl"].get("entropy", math.nan) for s in record]
-        after = max(entropy[cross - 1 : cross + 2]) if cross is not None else math.nan
-        label = "healthy" if cross is None else "blow-up" if after > BLOW_UP * entropy[0] else "template"
+        judged = protocol.label(truth, family_level(tasks.ZOO[arm].family), entropy)
+        cross, label = judged["crossing"], judged["label"]
         sources = {source for _, _, source in CANDIDATES}
-        series = {source: step_series(scored, source) for source in sources}
+        prompts = column_prompts(record)
+        series = {source: step_series(scored, source, prompts=prompts) for source in sources}
         out[arm] = {
             "driver": tasks.ZOO[arm].reward + ("/hard" if tasks.ZOO[arm].hard else ""),
             "family": tasks.ZOO[arm].family,
             "collapsed_at": cross,
             "label": label,
+            "margin": judged["margin"],
             "policy_entropy": [round(e, 2) for e in entropy],
             "truth": [round(t, 3) for t in truth],
             "task_success": [round(s["task_success"], 3) for s in record],
@@ -213,7 +228,7 @@ def arm_table(arms: list[str]) -> dict[str, Any]:
             "fired": {label: fired(series[source], AlertSettings(**fields)) for label, fields, source in CANDIDATES},
             "fired_by_prompts": {
                 str(n): {
-                    label: fired(step_series(scored, source, columns=n), AlertSettings(**fields))
+                    label: fired(step_series(scored, source, columns=n, prompts=prompts), AlertSettings(**fields))
                     for label, fields, source in CANDIDATES
                 }
                 for n in PROMPT_SUBSETS
@@ -290,13 +305,15 @@ def markdown(result: dict[str, Any]) -> str:
     n_healthy = sum(a["label"] == "healthy" for a in arms.values())
     default = CANDIDATES[0][0]
     lines = [
-        "| arm | driver | label | ground truth crossing | default fired | words-only retrieval, first / last step | "
-        "task success, max | mean words, first / last | policy entropy, first / max | training, min |",
+        "| arm | driver | label (margin to its boundary) | ground truth crossing | default fired | words-only "
+        "retrieval, first / last step | task success, max | mean words, first / last | policy entropy, first / max "
+        "| training, min |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for arm, a in arms.items():
         lines.append(
-            f"| {arm} | {a['driver']} | {a['label']} | {a['collapsed_at'] or '-'} | {a['fired'][default] or '-'} | "
+            f"| {arm} | {a['driver']} | {a['label']} ({a['margin']}) | {a['collapsed_at'] or '-'} | "
+            f"{a['fired'][default] or '-'} | "
             f"{a['truth'][0]} / {a['truth'][-1]} | {max(a['task_success'])} | {a['mean_words'][0]} / "
             f"{a['mean_words'][-1]} | {a['policy_entropy'][0]} / {max(a['policy_entropy'])} | {a['train_minutes']} |"
         )

@@ -197,7 +197,7 @@ def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
         scorer_mode="reference",
         score_every=1,
         samplers=("first_turn", "trajectory", "per_turn") if is_agent(arm) else ("first_turn",),
-        num_samples=None,
+        num_samples=64 if is_agent(arm) else None,  # a run's default; a single-turn step has 24 rows anyway
         seed=0,
         temperature=1.0,
         filter=FilterSettings().model_dump(),
