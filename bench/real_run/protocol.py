@@ -39,7 +39,31 @@ WITHIN = 2  # a firing within this many steps of the crossing, either side, caug
 # The alert defaults every held-out run is judged by, frozen before the first was scored: the commit that
 # froze them and their values (service.schemas.alerts.AlertSettings at that commit). A default changes
 # only through a new, dated freeze, judged on runs scored after it.
-FREEZE = {"date": "2026-12-06", "commit": "", "settings": {}}  # filled in by the freeze commit
+FREEZE = {
+    "date": "2026-12-06",
+    "commit": "a6a98b114c371587b9af06b20d532de043dc9d18",
+    "settings": {
+        "enabled": True,
+        "signal": "retrieval_chance_corrected",
+        "threshold": None,
+        "drop_fraction": 0.2,
+        "cusum_drop": 0.4,
+        "cusum_threshold": 3.0,
+        "baseline_steps": 3,
+        "window": 2,
+        "resolve_window": 2,
+        "release_fraction": 0.5,
+        "min_prompts": 4,
+        "entropy_signal": "conditional_entropy_est",
+        "entropy_band": 0.25,
+        "entropy_band_above": 2.0,
+        "entropy_floor": 0.5,
+        "reward_std_fraction": 0.1,
+        "reward_window": 10,
+        "zero_variance_ratio": 0.5,
+        "use_intervals": False,
+    },
+}
 
 
 def sustained_below(series: Sequence[float | None], bar: float, start: int = 2) -> int | None:

@@ -50,3 +50,19 @@ def test_the_zoo_tables_are_those_signals_printed_and_judge_the_default():
     assert (fields, source) == ({}, "service")
     assert label.startswith(f"{default.signal}, baseline {default.baseline_steps} (the default)")
     assert list(result["signals"]) == [c[0] for c in signals.CANDIDATES]  # the results are of these candidates
+
+
+def test_the_held_out_tables_are_those_the_evaluation_printed():
+    """docs/evaluation.md shows the tables of bench/real_run/heldout/evaluation.json."""
+    evaluation = importlib.import_module("bench.real_run.evaluation")
+    result = json.loads(evaluation.OUT.read_text())
+    text = evaluation.DOCS.read_text()
+    assert text.split(evaluation.START, 1)[1].split(evaluation.END, 1)[0] == evaluation.markdown(result)
+
+
+def test_the_held_out_json_is_rebuilt_from_the_committed_records_under_the_frozen_defaults():
+    """Every held-out arm trained and scored is judged again from its committed records, by the frozen
+    defaults (the evaluation refuses others), and gives the committed JSON."""
+    evaluation = importlib.import_module("bench.real_run.evaluation")
+    rebuilt = json.loads(json.dumps(evaluation.judge(evaluation.held_out_arms())))
+    assert rebuilt == json.loads(evaluation.OUT.read_text())
