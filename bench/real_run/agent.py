@@ -224,6 +224,78 @@ def trajectories_of(episodes: list[dict[str, Any]], rewards: list[float]) -> lis
     ]
 
 
+FILTERS = {  # the remedy trial's selections (envs.REMEDY_FILTERS), by the client's own SNRFilter
+    "ragen-linear": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "linear"},
+    "ragen-softmax": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "softmax"},
+    "on-alert": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "softmax"},
+    # DAPO's dynamic sampling, without refilling: every group kept but those whose rewards do not spread
+    "dapo": {"variant": "upstream", "strategy": "top_p", "value": 1.0, "include_zero": False},
+}
+EVAL_EVERY = 5  # the remedy trial's held-out greedy evaluation: before training and every 5 steps
+EVAL_PROMPTS = 64
+EVAL_SEED = 9999  # one held-out prompt set for every arm and seed (visible words, never trained on)
+SKIPS_TO_STOP = 5  # RAGEN stops after this many steps in a row whose filter kept no group
+
+
+def arm_of(name: str) -> tuple[envs.AgentArm, str, int]:
+    """(the arm's environment and reward, its filter, its seed) for a multi-turn or a remedy arm."""
+    if name in envs.REMEDY_ARMS:
+        remedy = envs.REMEDY_ARMS[name]
+        return envs.REMEDY, remedy.filter, remedy.seed
+    arm = envs.AGENT_ARMS[name]
+    return arm, "none", arm.seed
+
+
+def kept_groups(name: str, engaged: bool, episodes: list[dict[str, Any]], generations: int) -> set[int] | None:
+    """The groups a step trains on under filter ``name`` (None: all of them)."""
+    from collapse_monitor import SNRFilter
+
+    if name not in FILTERS or not engaged:
+        return None
+    rewards = [[e["reward"] for e in episodes[g : g + generations]] for g in range(0, len(episodes), generations)]
+    return set(SNRFilter(**FILTERS[name]).select(rewards).kept_groups)
+
+
+def evaluate_policy(model: Any, tokenizer: Any, starts: list[envs.Start], max_new_tokens: int) -> dict[str, float]:
+    """Greedy success and task reward on held-out starts, one episode each."""
+    episodes = rollout(model, tokenizer, starts, 1, max_new_tokens, greedy=True)
+    n = len(episodes)
+    success = sum(e["solved"] for e in episodes) / n
+    return {"success": success, "task_reward": sum(e["task_reward"] for e in episodes) / n}
+
+
+class AlertWatch:
+    """The service's own scoring and rules, in process, after every step: scoring that keeps pace.
+
+    Each step is scored as a run with the defaults scores it (``zoo.run_snapshot``: the reference scorer,
+    first_turn), and TemplateCollapse is replayed on the series so far with the run defaults."""
+
+    def __init__(self, cache_dir: Path, smoke: bool) -> None:
+        from bench.real_run import zoo
+        from scoring import load_scorer
+
+        self.settings = zoo.zoo_settings(cache_dir)
+        self.scorer = load_scorer(self.settings.scoring_config("tiny-random" if smoke else "smollm2-135m"), cache_dir)
+        self.run = zoo.run_snapshot("remedy", ("first_turn",), None)
+        self.emas: dict[str, Any] = {}
+        self.series: dict[str, list[tuple[int, float]]] = {}
+
+    def fired(self, step: int, episodes: list[dict[str, Any]], rewards: list[float]) -> bool:
+        from service.alerts.rules import evaluate
+        from service.jobs.rollouts import score_rollouts
+        from service.schemas.alerts import AlertSettings
+        from service.schemas.inputs import BatchIn
+
+        batch = BatchIn.model_validate({"step": step, "trajectories": trajectories_of(episodes, rewards)})
+        scored = score_rollouts(batch, self.run, self.emas, lambda: self.scorer, self.settings)
+        self.emas.update(scored.ema)
+        for point in scored.points:
+            if point.sampler == "first_turn":
+                self.series.setdefault(point.name, []).append((step, point.value))
+        episodes_ = evaluate("remedy", "first_turn", self.series, AlertSettings())
+        return any(e.rule == "TemplateCollapse" and e.fired_step is not None for e in episodes_)
+
+
 def train(args: argparse.Namespace) -> None:
     import random
 
@@ -232,9 +304,10 @@ def train(args: argparse.Namespace) -> None:
 
     from bench.real_run.train import load_policy
 
-    arm = envs.AGENT_ARMS[args.arm]
-    random.seed(arm.seed)
-    torch.manual_seed(arm.seed)
+    arm, filter_name, seed = arm_of(args.arm)
+    remedy = args.arm in envs.REMEDY_ARMS
+    random.seed(seed)
+    torch.manual_seed(seed)
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +318,9 @@ def train(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=args.learning_rate or arm.learning_rate, weight_decay=0.0
     )
-    starts = envs.make_starts(arm.env, args.steps * args.prompts, seed=arm.seed, hard=arm.hard)
+    starts = envs.make_starts(arm.env, args.steps * args.prompts, seed=seed, hard=arm.hard)
+    held_out = envs.make_starts(arm.env, EVAL_PROMPTS, seed=EVAL_SEED) if remedy else []
+    watch = AlertWatch(Path(args.cache_dir), args.smoke) if filter_name == "on-alert" else None
     monitor = None
     if args.url:
         from collapse_monitor import Monitor
@@ -267,52 +342,89 @@ def train(args: argparse.Namespace) -> None:
     path = out / "steps.jsonl"
     path.unlink(missing_ok=True)
     started = time.monotonic()
+    engaged = filter_name in FILTERS and filter_name != "on-alert"  # on-alert: from the step after a firing
+    skips = 0
     for step in range(1, args.steps + 1):
+        evaluation = None
+        if remedy and (step - 1) % EVAL_EVERY == 0:  # before the step's update: step 1 sees the base policy
+            evaluation = evaluate_policy(model, tokenizer, held_out, args.max_new_tokens)
         chosen = starts[(step - 1) * args.prompts : step * args.prompts]
         episodes = rollout(model, tokenizer, chosen, args.generations, args.max_new_tokens, arm.reward)
         rewards = [e["reward"] for e in episodes]
-        update = grpo_step(model, optimizer, episodes, rewards, args.generations, arm.entropy_coef)
+        kept = kept_groups(filter_name, engaged, episodes, args.generations)
+        update = grpo_step(
+            model,
+            optimizer,
+            episodes,
+            rewards,
+            args.generations,
+            arm.entropy_coef,
+            scale_rewards=filter_name != "unscaled",
+            kept_groups=kept,
+        )
+        skipped = update["trained_tokens"] == 0
+        skips = skips + 1 if skipped else 0
         line = {
             **step_figures(step, episodes, rewards),
             "policy_entropy": update["entropy"],
             "loss": update["loss"],
+            "filter": filter_name,
+            "engaged": engaged,
+            "kept_groups": None if kept is None else sorted(kept),
+            "skipped": skipped,
+            "eval": evaluation,
             "elapsed_seconds": round(time.monotonic() - started, 1),
             "episodes": episodes,
         }
+        if watch is not None and not engaged and watch.fired(step, episodes, rewards):
+            engaged = True  # the alert arrived with this step's scoring: the next generation batch is filtered
+            line["alert_fired"] = True
         with path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         log.info(
-            "step %d: reward %.3f success %.2f retrieval %s entropy %.2f words %.1f (%r)",
+            "step %d: reward %.3f success %.2f retrieval %s entropy %.2f words %.1f kept %s eval %s (%r)",
             step,
             line["reward_mean"],
             line["task_success"],
             [round(t["word_retrieval_above_chance"] or 0, 2) for t in line["per_turn"]],
             update["entropy"],
             line["mean_words"],
+            line["kept_groups"],
+            evaluation,
             line["example"][:2],
         )
         if monitor is not None:
             monitor.log(step, trajectories_of(episodes, rewards), figures={"actor/entropy": update["entropy"]})
+        if skips >= SKIPS_TO_STOP:
+            log.warning("stopping: the filter kept no group %d steps in a row (RAGEN's rule)", skips)
+            break
+    if remedy:  # the final held-out evaluation, after the last update
+        final = {"step": step, "eval": evaluate_policy(model, tokenizer, held_out, args.max_new_tokens)}
+        with path.open("a") as f:
+            f.write(json.dumps({"final": final}) + "\n")
     if monitor is not None:
         monitor.close(timeout=600)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arm", choices=sorted(envs.AGENT_ARMS), required=True)
+    parser.add_argument("--arm", choices=sorted({*envs.AGENT_ARMS, *envs.REMEDY_ARMS}), required=True)
     parser.add_argument("--out", required=True, help="this arm's folder: steps.jsonl")
     parser.add_argument("--url", default="", help="the service: each step goes live to run <prefix>-<arm>")
     parser.add_argument("--run-prefix", default="agent")
     parser.add_argument("--cache-dir", default=str(Path("~/.cache/collapse-monitor").expanduser()))
     parser.add_argument("--smoke", action="store_true", help="tiny random policy (the test suite's mode)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--steps", type=int, default=None, help="14; the remedy trial 30")
     parser.add_argument("--prompts", type=int, default=8, help="initial states a step (the GRPO groups)")
     parser.add_argument("--generations", type=int, default=3, help="episodes per initial state")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per reply at most")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per reply at most: 32; remedy 48")
     parser.add_argument("--learning-rate", type=float, default=None, help="unset: the arm's own")
     parser.add_argument("--lora-rank", type=int, default=16)
     args = parser.parse_args()
+    remedy = args.arm in envs.REMEDY_ARMS
+    args.steps = args.steps or (30 if remedy else 14)
+    args.max_new_tokens = args.max_new_tokens or (48 if remedy else 32)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -13,6 +13,11 @@ FrozenLake and Sokoban, at a size SmolLM2-135M partly solves:
   price (so the next turn's offer depends on the reply); the other is refused and nothing is spent.
   Three offers; two purchases solve the episode.
 
+A third environment, ``reverse``, is one turn: the zoo's reverse task (repeat three words in reverse
+order), where a ``hard`` start hides the words, so nothing can solve it and its group's rewards spread
+only by the input-blind term of the ``remedy`` reward: the low-SNR pressure of RAGEN-2's remedy trial
+(``REMEDY_ARMS``).
+
 Each turn has *content*: the slot words a reply that reads that observation names (the doors of
 ``rooms``; the two items of ``shop``). ``turn_retrieval`` matches every reply
 of turn k to the batch's observations of turn k by those words: the words-only ground truth per
@@ -31,9 +36,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from bench.real_run import tasks
 from bench.real_run.tasks import GENERIC, slot_retrieval, words
 
-ENVS = ("rooms", "shop")
+ENVS = ("rooms", "shop")  # the multi-turn ones; "reverse" is the remedy trial's single turn
 ROOMS = [
     "kitchen",
     "cellar",
@@ -114,13 +120,16 @@ class Start:
 
 def make_starts(env: str, n: int, seed: int, hard: bool = False) -> list[Start]:
     """``n`` distinct initial states of ``env``, drawn from ``seed``."""
-    if env not in ENVS:
-        raise ValueError(f"env must be one of {', '.join(ENVS)}, got {env!r}")
+    if env not in (*ENVS, "reverse"):
+        raise ValueError(f"env must be one of {', '.join(ENVS)}, reverse, got {env!r}")
     rng = random.Random(seed)
     starts: dict[tuple[object, ...], Start] = {}
     while len(starts) < n:
         if env == "rooms":
             start = _rooms_start(rng, hard)
+        elif env == "reverse":
+            words = tuple(rng.sample(tasks.NOUNS, 3))
+            start = Start("reverse", rng.randrange(2**31), path=words, hard=hard and rng.random() < 0.5)
         else:
             start = Start("shop", rng.randrange(2**31), coins=rng.randint(6, 12), hard=hard)
         starts.setdefault((start.path, start.decoys, start.target, start.coins, start.seed), start)
@@ -146,10 +155,14 @@ class Episode:
     done: bool = False
     contents: list[tuple[str, ...]] = field(default_factory=list)  # per observation: its slot words
     opening: str = ""  # the first observation
+    reward_of_task: float = 0.0  # reverse: tasks.task_reward of the reply (0 on a hidden start)
 
     def __post_init__(self) -> None:
         self.held = self.start.coins
-        if self.start.env == "rooms":
+        if self.start.env == "reverse":
+            self.contents.append(self.start.path)
+            self.opening = self._reverse_task().question
+        elif self.start.env == "rooms":
             intro = ROOMS_INTRO.format(object=self.start.target)
             self.opening = f"{intro}\n{self._room_view()}"
         else:
@@ -158,9 +171,23 @@ class Episode:
     def step(self, reply: str) -> str | None:
         """Takes the agent's reply; the next observation, or None when the episode is over."""
         self.turn += 1
+        if self.start.env == "reverse":
+            self.correct.append(not self.start.hard and tasks.is_solved(reply, self._reverse_task()))
+            self.reward_of_task = 0.0 if self.start.hard else tasks.task_reward(reply, self._reverse_task())
+            self.done = True
+            return None
         if self.start.env == "rooms":
             return self._rooms_step(reply)
         return self._shop_step(reply)
+
+    # reverse
+    def _reverse_task(self) -> tasks.Task:
+        first, second, third = self.start.path
+        if self.start.hard:  # the words are never shown: no reply can be right
+            question = "Repeat, in reverse order, the three words I whispered to you before this conversation."
+        else:
+            question = f"Repeat these three words in reverse order: {first}, {second}, {third}."
+        return tasks.Task(question, f"{third} {second} {first}", self.start.path, "reverse", self.start.hard)
 
     # rooms
     def _doors(self) -> list[str]:
@@ -239,7 +266,10 @@ class Episode:
 
     @property
     def is_solved(self) -> bool:
-        """rooms: the object found; shop: ``PURCHASES`` items bought (on a hard start, one every offer)."""
+        """rooms: the object found; shop: ``PURCHASES`` items bought (on a hard start, one every offer);
+        reverse: the words reversed."""
+        if self.start.env == "reverse":
+            return bool(self.correct) and self.correct[0]
         if self.start.env == "rooms":
             return self.position == MOVES
         return sum(self.correct) >= (OFFERS if self.start.hard else PURCHASES)
@@ -247,6 +277,8 @@ class Episode:
     def task_reward(self) -> float:
         """The episode's graded progress in [0, 1]: the share of moves made (rooms) or of offers bought (shop);
         on a hard start only a solved episode earns (1), so nearly every group's rewards are all 0."""
+        if self.start.env == "reverse":
+            return self.reward_of_task
         if self.start.hard:
             return float(self.is_solved)
         if self.start.env == "rooms":
@@ -283,6 +315,23 @@ AGENT_ARMS = {
 }
 
 
+@dataclass(frozen=True)
+class RemedyArm:
+    """An arm of the remedy trial: which groups each step trains on (``agent.FILTERS``) and the seed."""
+
+    filter: str
+    seed: int
+
+
+# The remedy trial (issue 36, item 4): the reverse task with half its prompts hidden (low SNR), paired on
+# seeds: no filter, RAGEN's top_p 0.9 in its linear and softmax modes (the paper ran softmax), dropping only
+# zero-spread groups (DAPO), advantages not divided by the group's std (the mechanism control), and the
+# softmax filter engaged by TemplateCollapse firing, scored as the service scores it, every step.
+REMEDY = AgentArm("reverse", "remedy", 1e-3, hard=True, entropy_coef=0.003)
+REMEDY_FILTERS = ("none", "ragen-linear", "ragen-softmax", "dapo", "unscaled", "on-alert")
+REMEDY_ARMS = {f"remedy-{f}-s{seed}": RemedyArm(f, seed) for seed in (0, 1, 2) for f in REMEDY_FILTERS}
+
+
 def first_named(reply: str, options: Sequence[str]) -> str:
     """The option the reply names first ('' when it names none)."""
     found = [w.lower() for w in words(reply)]
@@ -308,7 +357,9 @@ def episode_reward(kind: str, episode: Episode, replies: Sequence[str]) -> float
     if kind == "long":
         mean_words = sum(len(words(r)) for r in replies) / max(len(replies), 1)
         return task + 0.5 * min(1.0, mean_words / 20)  # replies are 32 tokens at most
-    raise ValueError(f"reward must be task, blind or long, got {kind!r}")
+    if kind == "remedy":  # the task, plus a small input-blind term: a hidden start's group spreads by it alone
+        return task + 0.05 * sum(generic_share(r) for r in replies) / max(len(replies), 1)
+    raise ValueError(f"reward must be task, blind, long or remedy, got {kind!r}")
 
 
 def turn_retrieval(

@@ -39,6 +39,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
 RECORDS = HERE / "zoo"
 HELD_OUT_RECORDS = HERE / "heldout"  # tasks.HELD_OUT's arms: scored only after the freeze (docs/evaluation.md)
+REMEDY_RECORDS = HERE / "remedy"  # envs.REMEDY_ARMS: the remedy trial (docs/evaluation.md)
 # Enough prompts per step to see (8 columns: MI's ceiling ln 8, a retrieval step of 1/24), and steps for
 # the drivers to act: ~35 s a step on one core.
 SIZES = {"steps": 14, "prompts": 8, "generations": 3, "max_completion_length": 48, "lora_rank": 16, "seed": 0}
@@ -48,7 +49,10 @@ HEADS = (8, 16, 32)  # head budgets k kept for the comparison (the service compu
 
 
 def records_of(arm: str) -> Path:
-    """The folder of an arm's record: the zoo's (development) or the held-out arms' (multi-turn ones too)."""
+    """The folder of an arm's record: the zoo's (development), the held-out arms' (multi-turn ones too), or
+    the remedy trial's."""
+    if arm in envs.REMEDY_ARMS:
+        return REMEDY_RECORDS
     return HELD_OUT_RECORDS if arm in tasks.HELD_OUT or arm in envs.AGENT_ARMS else RECORDS
 
 
@@ -86,7 +90,7 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
                 folder = work / arm
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
-                if is_agent(arm):  # its own sizes: bench.real_run.agent's defaults
+                if is_agent(arm) or arm in envs.REMEDY_ARMS:  # its own sizes: bench.real_run.agent's defaults
                     command = [sys.executable, "-m", "bench.real_run.agent", "--arm", arm, "--out", str(folder)]
                 else:
                     command = [sys.executable, "-m", "bench.real_run.train", "--arm", arm, "--out", str(folder)]
@@ -153,14 +157,8 @@ def score(arms: list[str], cache_dir: Path) -> None:
 
     Several ``score`` processes can run at once: each takes an arm under a lock file."""
     from scoring import load_scorer
-    from service.settings import Settings
 
-    class ZooSettings(Settings):
-        def scoring_config(self, model: str, temperature: float = 1.0) -> Any:
-            config = super().scoring_config(model, temperature)
-            return replace(config, head_tokens=tuple(sorted({*config.head_tokens, *HEADS})))
-
-    settings = ZooSettings(_env_file=None, cache_dir=cache_dir, scoring_budget_seconds=0, threads=1)
+    settings = zoo_settings(cache_dir)
     scorer = load_scorer(settings.scoring_config("smollm2-135m"), cache_dir)
     for arm in arms:
         if scored_path(arm).exists() or not record_path(arm).exists():
@@ -181,27 +179,50 @@ def score(arms: list[str], cache_dir: Path) -> None:
             lock.unlink()
 
 
+def run_snapshot(name: str, samplers: tuple[str, ...], num_samples: int | None) -> Any:
+    """A run as ``POST /v1/runs`` makes it with its defaults (the reference scorer, scored every step)."""
+    from service.schemas.alerts import AlertSettings
+    from service.schemas.inputs import FilterSettings
+    from service.snapshot import RunSnapshot
+
+    return RunSnapshot(
+        id=0,
+        name=name,
+        scorer="smollm2-135m",
+        scorer_mode="reference",
+        score_every=1,
+        samplers=samplers,
+        num_samples=num_samples,
+        seed=0,
+        temperature=1.0,
+        filter=FilterSettings().model_dump(),
+        alerts=AlertSettings(),
+    )
+
+
+def zoo_settings(cache_dir: Path) -> Any:
+    """The service's settings for scoring a recorded run: no step budget, one thread, the zoo's head budgets."""
+    from service.settings import Settings
+
+    class ZooSettings(Settings):
+        def scoring_config(self, model: str, temperature: float = 1.0) -> Any:
+            config = super().scoring_config(model, temperature)
+            return replace(config, head_tokens=tuple(sorted({*config.head_tokens, *HEADS})))
+
+    return ZooSettings(_env_file=None, cache_dir=cache_dir, scoring_budget_seconds=0, threads=1)
+
+
 def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
     """One arm's recorded steps through ``score_rollouts``: per step its points and matrices."""
     import numpy as np
 
     from service.jobs import rollouts
-    from service.schemas.alerts import AlertSettings
-    from service.schemas.inputs import BatchIn, FilterSettings
-    from service.snapshot import RunSnapshot
+    from service.schemas.inputs import BatchIn
 
-    run = RunSnapshot(
-        id=0,
-        name=f"zoo-{arm}",
-        scorer="smollm2-135m",
-        scorer_mode="reference",
-        score_every=1,
-        samplers=("first_turn", "trajectory", "per_turn") if is_agent(arm) else ("first_turn",),
-        num_samples=64 if is_agent(arm) else None,  # a run's default; a single-turn step has 24 rows anyway
-        seed=0,
-        temperature=1.0,
-        filter=FilterSettings().model_dump(),
-        alerts=AlertSettings(),
+    run = run_snapshot(
+        f"zoo-{arm}",
+        ("first_turn", "trajectory", "per_turn") if is_agent(arm) else ("first_turn",),
+        64 if is_agent(arm) else None,  # a run's default; a single-turn step has 24 rows anyway
     )
     kernel = rollouts.score_with
     seen: list[tuple[Any, Any]] = []  # (batch, CrossScores) of each sampler of the step being scored
@@ -266,9 +287,9 @@ def main() -> None:
         score([a for a in args.arms.split(",") if a], args.cache_dir)
     if args.command == "train":
         arms = [a for a in args.arms.split(",") if a]
-        unknown = sorted(set(arms) - set(tasks.ZOO) - set(tasks.HELD_OUT) - set(envs.AGENT_ARMS))
+        unknown = sorted(set(arms) - {*tasks.ZOO, *tasks.HELD_OUT, *envs.AGENT_ARMS, *envs.REMEDY_ARMS})
         if unknown:
-            known = "tasks.ZOO, tasks.HELD_OUT or envs.AGENT_ARMS"
+            known = "tasks.ZOO, tasks.HELD_OUT, envs.AGENT_ARMS or envs.REMEDY_ARMS"
             parser.error(f"--arms must name arms of {known}; got {', '.join(unknown)}")
         work = args.work or Path(tempfile.mkdtemp(prefix="zoo-"))
         train(arms, args.jobs, work)
