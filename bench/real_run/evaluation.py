@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.real_run import envs, protocol, tasks, zoo
 from service.alerts.rules import evaluate
 from service.schemas.alerts import AlertSettings
@@ -265,8 +267,100 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def remedy(arms: Sequence[str]) -> dict[str, Any]:
+    """The remedy trial: per arm its held-out greedy success over training and at the end, the area under its
+    words-only truth curve (the mean over steps), what its filter did; per filter, paired differences from no
+    filter on the same seeds, with a bootstrap interval over seeds and a two-sided sign test."""
+    runs: dict[str, Any] = {}
+    for arm in arms:
+        lines = zoo.read_record(arm)
+        steps = [s for s in lines if "step" in s]
+        final = next((s["final"] for s in lines if "final" in s), None)
+        if final is None:  # still training
+            continue
+        truth = [s[GROUND_TRUTH] for s in steps if s[GROUND_TRUTH] is not None]
+        spec = envs.REMEDY_ARMS[arm]
+        runs[arm] = {
+            "filter": spec.filter,
+            "seed": spec.seed,
+            "eval": [[s["step"], s["eval"]["success"]] for s in steps if s.get("eval")]
+            + [[final["step"] + 1, final["eval"]["success"]]],
+            "final_success": final["eval"]["success"],
+            "truth_area": round(float(np.mean(truth)), 4),
+            "steps_trained": len(steps),
+            "skipped_steps": sum(bool(s["skipped"]) for s in steps),
+            "kept_share": round(
+                float(np.mean([1.0 if s["kept_groups"] is None else len(s["kept_groups"]) / 8 for s in steps])), 3
+            ),
+            "alert_fired_at": next((s["step"] for s in steps if s.get("alert_fired")), None),
+        }
+    paired: dict[str, Any] = {}
+    for name in envs.REMEDY_FILTERS[1:]:
+        pairs = [
+            (runs[a], runs[f"remedy-none-s{runs[a]['seed']}"])
+            for a in runs
+            if runs[a]["filter"] == name and f"remedy-none-s{runs[a]['seed']}" in runs
+        ]
+        if not pairs:
+            continue
+        paired[name] = {
+            key: _paired([x[key] - y[key] for x, y in pairs]) for key in ("final_success", "truth_area")
+        } | {"seeds": sorted(x["seed"] for x, _ in pairs)}
+    return {"runs": runs, "paired_with_no_filter": paired}
+
+
+def _paired(differences: list[float]) -> dict[str, Any]:
+    """Mean paired difference, its 95% bootstrap interval over seeds (10,000 resamples, seeded), and the
+    two-sided sign test's p (ties dropped)."""
+    d = np.asarray(differences, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    means = d[rng.integers(0, len(d), (10_000, len(d)))].mean(axis=1)
+    positive, negative = int((d > 0).sum()), int((d < 0).sum())
+    n = positive + negative
+    tail = sum(math.comb(n, k) for k in range(0, min(positive, negative) + 1)) / 2**n if n else 1.0
+    return {
+        "differences": [round(float(x), 4) for x in d],
+        "mean": round(float(d.mean()), 4),
+        "interval": [round(float(np.percentile(means, 2.5)), 4), round(float(np.percentile(means, 97.5)), 4)],
+        "sign_test_p": round(min(1.0, 2 * tail), 4),
+    }
+
+
+def remedy_markdown(trial: dict[str, Any]) -> str:
+    """The remedy tables of docs/evaluation.md."""
+    lines = [
+        "| arm | held-out greedy success at steps (before each) | final | truth area | skipped steps | kept share "
+        "| alert fired |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, r in trial["runs"].items():
+        curve = ", ".join(f"{step}: {success:.3f}" for step, success in r["eval"])
+        lines.append(
+            f"| {arm} | {curve} | {r['final_success']:.3f} | {r['truth_area']} | {r['skipped_steps']} of "
+            f"{r['steps_trained']} | {r['kept_share']} | {r['alert_fired_at'] or '-'} |"
+        )
+    lines += [
+        "",
+        "| filter, minus no filter on the same seeds | seeds | final success: mean (95% bootstrap) / sign test p | "
+        "truth area: mean (95% bootstrap) / sign test p |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, p in trial["paired_with_no_filter"].items():
+        cells = [
+            f"{d['mean']:+.3f} ({d['interval'][0]:+.3f}, {d['interval'][1]:+.3f}) / {d['sign_test_p']}"
+            for d in (p["final_success"], p["truth_area"])
+        ]
+        lines.append(f"| {name} | {', '.join(map(str, p['seeds']))} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + "\n"
+
+
 def _signed(value: int | None) -> str:
     return "-" if value is None else f"{value:+d}"
+
+
+def remedy_arms() -> list[str]:
+    """The remedy trial's arms trained so far."""
+    return [a for a in envs.REMEDY_ARMS if zoo.record_path(a).exists()]
 
 
 def held_out_arms() -> list[str]:
@@ -279,20 +373,30 @@ START = "<!-- held-out tables: generated by python -m bench.real_run.evaluation 
 END = "<!-- end of held-out tables -->"
 
 
-def write_docs(tables: str) -> None:
+def build() -> dict[str, Any]:
+    """Everything evaluation.json holds: the held-out table and the remedy trial, from the committed records."""
+    return judge(held_out_arms()) | {"remedy": remedy(remedy_arms())}
+
+
+def tables(result: dict[str, Any]) -> str:
+    """docs/evaluation.md's generated section."""
+    return markdown(result) + "\n" + remedy_markdown(result["remedy"])
+
+
+def write_docs(section: str) -> None:
     """Puts the tables into docs/evaluation.md between their markers."""
     text = DOCS.read_text()
     head, rest = text.split(START, 1)
-    DOCS.write_text(head + START + tables + END + rest.split(END, 1)[1])
+    DOCS.write_text(head + START + section + END + rest.split(END, 1)[1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    result = judge(held_out_arms())
+    result = build()
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    write_docs(markdown(result))
+    write_docs(tables(result))
     print(json.dumps(result["summary"], indent=1))
 
 

@@ -57,12 +57,13 @@ def test_the_held_out_tables_are_those_the_evaluation_printed():
     evaluation = importlib.import_module("bench.real_run.evaluation")
     result = json.loads(evaluation.OUT.read_text())
     text = evaluation.DOCS.read_text()
-    assert text.split(evaluation.START, 1)[1].split(evaluation.END, 1)[0] == evaluation.markdown(result)
+    assert text.split(evaluation.START, 1)[1].split(evaluation.END, 1)[0] == evaluation.tables(result)
 
 
 def test_the_held_out_json_is_rebuilt_from_the_committed_records_under_the_frozen_defaults():
     """Every held-out arm trained and scored is judged again from its committed records, by the frozen
-    defaults (the evaluation refuses others), and gives the committed JSON."""
+    defaults (the evaluation refuses others), and the remedy trial's runs are summed up again: the committed
+    JSON."""
     evaluation = importlib.import_module("bench.real_run.evaluation")
-    rebuilt = json.loads(json.dumps(evaluation.judge(evaluation.held_out_arms())))
+    rebuilt = json.loads(json.dumps(evaluation.build()))
     assert rebuilt == json.loads(evaluation.OUT.read_text())
