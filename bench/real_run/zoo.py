@@ -77,7 +77,8 @@ def read_record(arm: str) -> list[dict[str, Any]]:
 
 
 def train(arms: list[str], jobs: int, work: Path) -> None:
-    """Trains the arms not recorded yet, ``jobs`` at a time, one torch thread each."""
+    """Trains the arms not recorded yet, ``jobs`` at a time, one torch thread each; several ``train`` commands
+    share the work (an arm is claimed by a marker file while it trains)."""
     pending = [a for a in arms if not record_path(a).exists()]
     running: dict[str, tuple[subprocess.Popen[bytes], float]] = {}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONWARNINGS": "ignore"}
@@ -87,6 +88,8 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
         while pending or running:
             while pending and len(running) < jobs:
                 arm = pending.pop(0)
+                if record_path(arm).exists() or not claim(arm):  # recorded meanwhile, or another train has it
+                    continue
                 folder = work / arm
                 shutil.rmtree(folder, ignore_errors=True)
                 folder.mkdir(parents=True)
@@ -104,6 +107,7 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
                 if code is None:
                     continue
                 del running[arm]
+                claimed(arm).unlink(missing_ok=True)
                 if code != 0:
                     tail = (work / arm / "train.log").read_text(errors="replace")[-3000:]
                     print(json.dumps({"arm": arm, "failed": code, "log": tail}), flush=True)
@@ -113,9 +117,23 @@ def train(arms: list[str], jobs: int, work: Path) -> None:
                 print(json.dumps({"arm": arm, "trained_seconds": round(time.monotonic() - began, 1)}), flush=True)
             time.sleep(1)
     finally:  # Ctrl-C or SIGTERM: no trainer outlives the command
-        for process, _ in running.values():
+        for arm, (process, _) in running.items():
             process.terminate()
             process.wait()
+            claimed(arm).unlink(missing_ok=True)
+
+
+def claimed(arm: str) -> Path:
+    return records_of(arm) / f".{arm}.training"
+
+
+def claim(arm: str) -> bool:
+    """Marks ``arm`` as being trained; False when another ``train`` marked it first (several can run at once)."""
+    try:
+        claimed(arm).touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
 
 
 def scored_path(arm: str) -> Path:
