@@ -8,7 +8,7 @@ import threading
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, func, select, update
+from sqlalchemy import create_engine, func, select
 from sqlalchemy.exc import OperationalError
 
 from scoring import Scorer
@@ -170,17 +170,20 @@ def test_results_the_database_refuses_fail_the_batch_at_once_with_the_reason(dat
     client, sessions, settings = paused(database_url)
     client.post("/v1/runs", json={"name": "r", "sampler": LIGHT_SAMPLER})
     refused, later = post(client, "r", 1), post(client, "r", 2)
-    # A run stored before samplers had to be distinct: its points collide on their unique key.
+    # A point already stored under the batch's key (as a hand-edited database may hold): its results collide.
     with sessions.begin() as session:
-        session.execute(update(Run).where(Run.name == "r").values(samplers=["first_turn", "first_turn"]))
+        run_id = session.scalar(select(Run.id).where(Run.name == "r"))
+        planted = MetricPoint(
+            run_id=run_id, batch_id=refused, step=1, sampler="first_turn", name="mi_estimate", value=0.0
+        )
+        session.add(planted)
     worker = Worker(sessions, settings, ScorerPool(settings))
     assert worker.run_once()
     status = client.get(f"/v1/batches/{refused}").json()
     assert (status["status"], status["attempts"]) == ("failed", 1)  # not left leased, to be retried 3 times
     assert status["error"].startswith("scored, but the results could not be stored: IntegrityError")
     with sessions.begin() as session:
-        assert session.scalar(select(func.count()).select_from(MetricPoint)) == 0
-        session.execute(update(Run).where(Run.name == "r").values(samplers=["first_turn"]))
+        assert session.scalar(select(func.count()).select_from(MetricPoint)) == 1  # the planted one alone
     assert worker.run_once()
     worker.close()
     assert client.get(f"/v1/batches/{later}").json()["status"] == "done"

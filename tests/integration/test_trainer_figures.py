@@ -147,7 +147,8 @@ def test_the_trainer_sampler_is_no_matrix_sampler_nor_a_sampler_to_switch_to(cli
     }
     refused = client.post("/v1/runs/r/matrices", json=matrix)
     assert refused.status_code == 422
-    assert "must not be one of first_turn, trajectory, all, trainer" in refused.json()["detail"][0]["msg"]
+    message = refused.json()["detail"][0]["msg"]
+    assert "must not be one of first_turn, trajectory, per_turn, all, trainer or turn_<k>" in message
 
 
 def test_catalogued_trainer_figures_are_exported_and_others_only_stored(client):
