@@ -67,7 +67,8 @@ def draw_samplers(
     for sampler in samplers:
         own_seed = [*seed, SAMPLERS.index(sampler)]
         if sampler == "per_turn":
-            drawn.update(sample_per_turn(trajectories, num_samples, own_seed) or {sampler: None})
+            turns = sample_per_turn(trajectories, num_samples, own_seed)
+            drawn.update(turns if turns else {sampler: None})
         else:
             drawn[sampler] = sample_rows(sampler, trajectories, num_samples, own_seed)
     return drawn

@@ -185,7 +185,7 @@ def _column_labels(
         return list(column_group_ids)
     if sampler == "trajectory":
         return [payload.trajectories[m].group_id for m, _ in sources]
-    first_row = {}
+    first_row: dict[int, int] = {}
     for (m, _), column in zip(sources, column_of_row, strict=True):
         first_row.setdefault(column, payload.trajectories[m].group_id)
     return [first_row[c] for c in range(len(column_group_ids))]
