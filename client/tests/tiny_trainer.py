@@ -23,8 +23,16 @@ CHAT_TEMPLATE = (
 )
 # TemplateCollapse from the first scored step: retrieval must stay above an unreachable level, and
 # H(Z|X) may move almost anywhere. The rule and its state machine are the service's own, on the
-# figures it scored from the trainer's batches: pending at step 1, firing at step 2 (window 2).
-FIRE_AT_ONCE = {"threshold": 1e6, "baseline_steps": 1, "window": 2, "entropy_band": 0.99, "entropy_band_above": 100}
+# figures it scored from the trainer's batches: pending at step 1, firing at step 2 (window 2). A tiny step
+# holds 2 or 3 prompts, below the default min_prompts (4), so the rule is told to judge steps of 2.
+FIRE_AT_ONCE = {
+    "threshold": 1e6,
+    "baseline_steps": 1,
+    "window": 2,
+    "entropy_band": 0.99,
+    "entropy_band_above": 100,
+    "min_prompts": 2,
+}
 NUM_GENERATIONS = 4
 ROOMS = [[{"role": "user", "content": f"You are in room {i}. Which door leads out?"}] for i in range(8)]
 
