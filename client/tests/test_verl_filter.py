@@ -103,6 +103,9 @@ def test_what_the_filter_cannot_work_with_is_refused_naming_it(tokenizer):
         apply_snr_filter(batch, KEEP_ONE, step=1, output="drop")
     with pytest.raises(ValueError, match=r"needs engagement=FilterEngagement.watch\(monitor, snr_filter\)"):
         apply_snr_filter(batch, SNRFilter(engage="on_alert"), step=1)
+    with pytest.raises(ValueError, match=r"output='mask' needs loss_agg_mode='token-mean'.*got 'seq-mean-token-mean'"):
+        apply_snr_filter(batch, KEEP_ONE, step=1, loss_agg_mode="seq-mean-token-mean")
+    assert apply_snr_filter(batch, KEEP_ONE, step=1, output="select", loss_agg_mode="seq-mean-token-sum").engaged
     batch.non_tensor_batch["uid"] = batch.non_tensor_batch["uid"].copy()
     batch.non_tensor_batch["uid"][:] = [str(i) for i in range(12)]
     with pytest.raises(ValueError, match="each of the 12 rows is a group of its own"):

@@ -21,9 +21,17 @@ per-step series.) What happens each training generation batch:
   takes them out of the policy-gradient, KL and entropy terms, and advantage 0; ``num_items_in_batch``
   is counted again over the kept tokens, so ``loss_type`` dapo (TRL's default), bnpo, cispo and vespo
   normalise by kept tokens only. The loss types that average over sequences (grpo, sapo, dr_grpo, luspo,
-  and RLOO's loss) would count the dropped completions as zeros: there each micro-batch's policy and KL
-  terms are scaled by its rows over its kept rows, which is the average over kept sequences. RLOO's
-  ``old_logps`` of dropped rows are zeroed too, so their ratio stays 1;
+  and RLOO's loss) would count the dropped completions as zeros: there every micro-batch's policy and KL
+  terms are scaled by the generation batch's rows over its kept rows (every process's, counted once per
+  generation batch), so that the micro-batches of one optimizer step sum to the average over the kept
+  sequences however the kept rows fall among them. RLOO's ``old_logps`` of dropped rows are zeroed too,
+  so their ratio stays 1. With ``gradient_accumulation_steps`` equal to ``steps_per_generation`` (TRL's
+  default) the update is the kept groups' alone; with a generation batch spanning several optimizer
+  steps each step gets the generation batch's average weight, as TRL's own dapo normaliser does;
+* ``bnpo`` and the entropy bonus (``entropy_coef``) divide by each micro-batch's own token count, which a
+  run on the kept groups alone would count over different micro-batches: with more than one micro-batch
+  per generation batch no rescaling makes them exact, so they are refused there (use dapo, which
+  normalises the whole generation batch's tokens);
 * advantages were computed before the filter, from whole groups (the filter keeps or drops whole
   groups, so a kept group's are unchanged with ``scale_rewards`` "group"; "batch" scaling uses the std
   of every group, dropped ones included, as RAGEN's filter after advantage estimation does not).
@@ -55,6 +63,9 @@ from collapse_monitor.snr_filter import (
 logger = logging.getLogger("collapse_monitor")
 
 KEPT = "collapse_monitor_kept"  # [B] bool, 1 for a kept row: rides in TRL's batch dict through shuffle and split
+# [B] float, every row the generation batch's rows over its kept rows: rides along as KEPT does, so each
+# micro-batch carries the weight of the generation batch it came from.
+SCALE = "collapse_monitor_scale"
 TOKEN_NORMALISED = ("dapo", "bnpo", "cispo", "vespo")  # normalised by num_items_in_batch or the mask's sum
 SEQUENCE_MEAN = ("grpo", "sapo", "dr_grpo", "luspo")  # averaged over the micro-batch's sequences
 
@@ -135,6 +146,8 @@ class TRLSNRFilter:
         mask = output["completion_mask"]
         keep = _bool_tensor(kept_rows, mask)
         output[KEPT] = keep
+        n_kept = sum(n for kept in selection.kept if kept) if engaged else len(totals)
+        output[SCALE] = output["advantages"].new_full((n_local,), len(totals) / max(n_kept, 1))
         figures = step_figures([(selection, engaged)])
         self._log_metrics(figures)
         if not engaged or all(selection.kept):
@@ -170,14 +183,12 @@ class TRLSNRFilter:
         return engagement.engaged
 
     def _compute_loss(self, compute: Callable[..., Any], model: Any, inputs: dict[str, Any]) -> Any:
-        """TRL's loss; for sequence-mean losses, a micro-batch with dropped rows averaged over its kept rows only."""
-        keep = inputs.get(KEPT)
-        if not self.scales_sequences or keep is None:
+        """TRL's loss; for sequence-mean losses, weighted by the generation batch's rows over its kept rows."""
+        scales = inputs.get(SCALE)
+        # A micro-batch whose rows are all kept is scaled too: its weight is its generation batch's.
+        scale = 1.0 if scales is None or not self.scales_sequences else float(scales[0])
+        if scale == 1.0:
             return compute(model, inputs)
-        n_kept = int(keep.sum())
-        if n_kept in (0, keep.numel()):
-            return compute(model, inputs)
-        scale = keep.numel() / n_kept
         scaled = dict(inputs)
         scaled["advantages"] = inputs["advantages"] * scale
         beta = getattr(self.trainer, "beta", 0.0)
@@ -262,6 +273,25 @@ def check_trainer(trainer: Any) -> None:
             "cannot adjust; set use_liger_kernel=False"
         )
     loss_type = getattr(trainer, "loss_type", None)
+    micro_batches: int = (
+        getattr(args, "steps_per_generation", None) or getattr(args, "gradient_accumulation_steps", None) or 1
+    )
+    if micro_batches > 1:
+        per_micro_batch = [
+            name
+            for name, is_set in (
+                ("loss_type='bnpo'", loss_type == "bnpo"),
+                ("entropy_coef", bool(getattr(trainer, "_entropy_bonus_enabled", False))),
+            )
+            if is_set
+        ]
+        if per_micro_batch:
+            raise ValueError(
+                f"{' and '.join(per_micro_batch)} with {micro_batches} micro-batches per generation batch "
+                "(steps_per_generation): they divide by each micro-batch's own token count, which the SNR filter "
+                "cannot make equal to a run on the kept groups alone; use loss_type='dapo' (normalised over the "
+                "generation batch's tokens) and no entropy bonus, or one micro-batch per generation batch"
+            )
     if not _is_rloo(trainer) and loss_type not in (*TOKEN_NORMALISED, *SEQUENCE_MEAN):
         raise ValueError(
             f"loss_type must be one of {', '.join((*TOKEN_NORMALISED, *SEQUENCE_MEAN))} for the SNR filter "
