@@ -338,3 +338,36 @@ def test_a_rollback_needs_the_filter_and_a_checkpoint_saved_at_pending(service, 
         attach(trainer, monitor, snr_filter=KEEP_TWO, rollback_on=("firing",))
     with pytest.raises(ValueError, match="states must be among pending, firing, resolved, got burning"):
         attach(trainer, monitor, snr_filter=KEEP_TWO, save_on=("pending",), rollback_on=("burning",))
+
+
+def flat_reward(completion_ids, **_kwargs):
+    """Every completion scores the same: no group spreads, so RAGEN's linear top_p keeps none."""
+    return [1.0 for _ in completion_ids]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("one_thread")
+def test_a_step_that_keeps_no_group_is_skipped_and_training_stops_after_the_limit(policy, tmp_path, caplog):
+    """AdamW with weight decay and warm-up: a zero-gradient step would still move the weights (decay) and
+    the learning rate (scheduler). Neither moves; each skipped step is warned; the third in a row stops."""
+    trainer = make_trainer(
+        "grpo", policy, tmp_path / "out", max_steps=6, optim="adamw_torch", weight_decay=0.1, warmup_steps=3
+    )
+    trainer.reward_funcs = [flat_reward]
+    installed = install_snr_filter(trainer, SNRFilter(max_skipped_in_a_row=3))
+    start = weights(trainer)
+    with (
+        caplog.at_level(logging.WARNING, logger="collapse_monitor"),
+        pytest.raises(
+            RuntimeError, match=r"kept no group for 3 steps in a row \(up to step 3; max_skipped_in_a_row=3\)"
+        ),
+    ):
+        trainer.train()
+    assert not update(trainer, start).any()  # no decay, no momentum: the weights never moved
+    assert trainer.lr_scheduler.last_epoch == 0  # the warm-up never advanced
+    assert (installed.n_skipped, installed.n_skipped_in_a_row) == (3, 3)
+    warned = [r.getMessage() for r in caplog.records if "update is skipped" in r.getMessage()]
+    assert len(warned) == 3
+    assert "kept no group for step 1: its update is skipped (1 in a row, training stops at 3)" in warned[0]
+    assert [entry["rollout/filter_skipped"] for entry in trainer.state.log_history] == [1.0, 1.0]
+    assert all(entry["rollout/filter_kept_count"] == 0 for entry in trainer.state.log_history)

@@ -58,6 +58,7 @@ def test_the_dropped_groups_rows_are_masked_and_nothing_else_changes(tokenizer):
         "rollout/filter_kept_rows": 4.0,
         "rollout/chosen_in_group_reward_std": pytest.approx(math.sqrt(3.0)),
         "rollout/dropped_in_group_reward_std": pytest.approx(math.sqrt(1 / 3) / 2),
+        "rollout/filter_skipped": 0.0,
     }
 
 

@@ -32,6 +32,10 @@ per-step series.) What happens each training generation batch:
   run on the kept groups alone would count over different micro-batches: with more than one micro-batch
   per generation batch no rescaling makes them exact, so they are refused there (use dapo, which
   normalises the whole generation batch's tokens);
+* a generation batch in which the engaged filter keeps no group trains nothing: its optimizer steps are
+  skipped (no ``optimizer.step``, so no momentum moves the weights, and no scheduler step), each warned
+  and counted in ``rollout/filter_skipped``; after ``max_skipped_in_a_row`` skipped steps in a row
+  (5, RAGEN's) training stops with an error naming the setting;
 * advantages were computed before the filter, from whole groups (the filter keeps or drops whole
   groups, so a kept group's are unchanged with ``scale_rewards`` "group"; "batch" scaling uses the std
   of every group, dropped ones included, as RAGEN's filter after advantage estimation does not).
@@ -44,6 +48,7 @@ without groups (``num_generations`` < 2). Must not import torch at module level.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -87,6 +92,10 @@ class TRLSNRFilter:
         self._rewards: Any = None  # the last _calculate_rewards answer: [N, n_funcs], every process's rows
         self._selections: list[tuple[Selection, bool]] = []
         self._reported = False  # the first filtered step is logged at WARNING, the rest at DEBUG
+        self._is_empty = False  # the last generation batch kept no group: its optimizer steps are skipped
+        self._skipped_step = False  # the last optimizer step was skipped: so is its scheduler step
+        self.n_skipped_in_a_row = 0
+        self.n_skipped = 0
         self._wrap()
 
     def take_figures(self) -> dict[str, float] | None:
@@ -140,6 +149,7 @@ class TRLSNRFilter:
         # An all-unscorable group has no spread: one reward 0 says so under both variants.
         selection = self.snr_filter.select([g or [0.0] for g in groups], rows=[n] * len(groups))
         engaged = self._engaged()
+        self._is_empty = engaged and not any(selection.kept)
         self._selections.append((selection, engaged))
         first = trainer.accelerator.process_index * n_local
         kept_rows = [engaged is False or selection.kept[(first + r) // n] for r in range(n_local)]
@@ -200,6 +210,44 @@ class TRLSNRFilter:
         finally:
             self.trainer.beta = beta
 
+    def wrap_optimizer(self, optimizer: Any, scheduler: Any) -> None:
+        """Makes the optimizer and scheduler of one ``train()`` skip their steps after an empty selection."""
+        step, scheduler_step = optimizer.step, scheduler.step
+
+        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+            self._skipped_step = self._is_empty
+            if not self._is_empty:
+                self.n_skipped_in_a_row = 0
+                return step(*args, **kwargs)
+            self.n_skipped += 1
+            self.n_skipped_in_a_row += 1
+            limit = self.snr_filter.max_skipped_in_a_row
+            training_step = self.trainer.state.global_step + 1
+            logger.warning(
+                "collapse-monitor: SNR filter kept no group for step %d: its update is skipped (%d in a row, "
+                "training stops at %d)",
+                training_step,
+                self.n_skipped_in_a_row,
+                limit,
+            )
+            if self.n_skipped_in_a_row >= limit:
+                raise RuntimeError(
+                    f"collapse-monitor: the SNR filter kept no group for {self.n_skipped_in_a_row} steps in a row "
+                    f"(up to step {training_step}; max_skipped_in_a_row={limit}): every group's rewards spread "
+                    f"too little for {self.snr_filter.variant} {self.snr_filter.strategy} "
+                    f"{self.snr_filter.value:g}; lower selection_eps, keep zero-spread groups (include_zero) or "
+                    "use a strategy that keeps a count (top_k_abs)"
+                )
+            return None
+
+        def scheduler_step_unless_skipped(*args: Any, **kwargs: Any) -> Any:
+            return None if self._skipped_step else scheduler_step(*args, **kwargs)
+
+        # Instance attributes shadow the methods the trainer calls through optimizer.step / lr_scheduler.step;
+        # torch's scheduler marks the optimizer's step it wrapped and warns when the mark is gone: carry it over.
+        optimizer.step = functools.update_wrapper(optimizer_step, step)
+        scheduler.step = scheduler_step_unless_skipped
+
     def _log_metrics(self, figures: dict[str, float]) -> None:
         metrics = getattr(self.trainer, "_metrics", None)
         if isinstance(metrics, dict) and "train" in metrics:
@@ -244,7 +292,18 @@ def install_snr_filter(trainer: Any, snr_filter: SNRFilter, engagement: FilterEn
                 "attach(trainer, monitor, snr_filter=...), or engage='always' without a monitor"
             )
         engagement = FilterEngagement(snr_filter)
-    return TRLSNRFilter(trainer, snr_filter, engagement)
+    from transformers import TrainerCallback
+
+    installed = TRLSNRFilter(trainer, snr_filter, engagement)
+
+    class SkipEmptySteps(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
+        """Wraps each ``train()``'s optimizer and scheduler, which TRL creates inside ``train()``."""
+
+        def on_train_begin(self, _args: Any, _state: Any, _control: Any, **kwargs: Any) -> None:
+            installed.wrap_optimizer(kwargs["optimizer"], kwargs["lr_scheduler"])
+
+    trainer.add_callback(SkipEmptySteps())
+    return installed
 
 
 def check_trainer(trainer: Any) -> None:
