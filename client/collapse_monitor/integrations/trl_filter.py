@@ -93,7 +93,6 @@ class TRLSNRFilter:
         self._selections: list[tuple[Selection, bool]] = []
         self._reported = False  # the first filtered step is logged at WARNING, the rest at DEBUG
         self._is_empty = False  # the last generation batch kept no group: its optimizer steps are skipped
-        self._skipped_step = False  # the last optimizer step was skipped: so is its scheduler step
         self.n_skipped_in_a_row = 0
         self.n_skipped = 0
         self._wrap()
@@ -210,12 +209,19 @@ class TRLSNRFilter:
         finally:
             self.trainer.beta = beta
 
-    def wrap_optimizer(self, optimizer: Any, scheduler: Any) -> None:
-        """Makes the optimizer and scheduler of one ``train()`` skip their steps after an empty selection."""
-        step, scheduler_step = optimizer.step, scheduler.step
+    def wrap_optimizer(self, optimizer: Any) -> None:
+        """Makes the optimizer of one ``train()`` skip its steps after an empty selection, and the scheduler's.
+
+        The scheduler is told through accelerate's own mark of a skipped step (``step_was_skipped``, set on
+        an fp16 overflow), which the trainer reads before stepping the scheduler: a wrapper on the scheduler
+        would be saved in its checkpointed state.
+        """
+        step = optimizer.step
+        accelerated = self.trainer.accelerator._optimizers  # what optimizer_step_was_skipped reads
 
         def optimizer_step(*args: Any, **kwargs: Any) -> Any:
-            self._skipped_step = self._is_empty
+            for each in accelerated:
+                each._is_overflow = self._is_empty
             if not self._is_empty:
                 self.n_skipped_in_a_row = 0
                 return step(*args, **kwargs)
@@ -240,13 +246,9 @@ class TRLSNRFilter:
                 )
             return None
 
-        def scheduler_step_unless_skipped(*args: Any, **kwargs: Any) -> Any:
-            return None if self._skipped_step else scheduler_step(*args, **kwargs)
-
-        # Instance attributes shadow the methods the trainer calls through optimizer.step / lr_scheduler.step;
-        # torch's scheduler marks the optimizer's step it wrapped and warns when the mark is gone: carry it over.
+        # An instance attribute shadows the method the trainer calls; torch's scheduler marks the optimizer's
+        # step it wrapped and warns when the mark is gone: carry it over.
         optimizer.step = functools.update_wrapper(optimizer_step, step)
-        scheduler.step = scheduler_step_unless_skipped
 
     def _log_metrics(self, figures: dict[str, float]) -> None:
         metrics = getattr(self.trainer, "_metrics", None)
@@ -300,7 +302,7 @@ def install_snr_filter(trainer: Any, snr_filter: SNRFilter, engagement: FilterEn
         """Wraps each ``train()``'s optimizer and scheduler, which TRL creates inside ``train()``."""
 
         def on_train_begin(self, _args: Any, _state: Any, _control: Any, **kwargs: Any) -> None:
-            installed.wrap_optimizer(kwargs["optimizer"], kwargs["lr_scheduler"])
+            installed.wrap_optimizer(kwargs["optimizer"])
 
     trainer.add_callback(SkipEmptySteps())
     return installed
