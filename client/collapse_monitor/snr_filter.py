@@ -50,7 +50,9 @@ KEPT_COUNT = "rollout/filter_kept_count"
 KEPT_ROWS = "rollout/filter_kept_rows"
 KEPT_SPREAD = "rollout/chosen_in_group_reward_std"
 DROPPED_SPREAD = "rollout/dropped_in_group_reward_std"
-FIGURE_NAMES = (ENGAGED, KEPT_RATIO, KEPT_COUNT, KEPT_ROWS, KEPT_SPREAD, DROPPED_SPREAD)
+# 1 when the engaged filter kept no group: TRL's step skips its update; verl's loop must skip it itself
+SKIPPED = "rollout/filter_skipped"
+FIGURE_NAMES = (ENGAGED, KEPT_RATIO, KEPT_COUNT, KEPT_ROWS, KEPT_SPREAD, DROPPED_SPREAD, SKIPPED)
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class SNRFilter:
         include_zero: whether zero-spread groups may be kept; default True (RAGEN), False (upstream).
         selection_eps: slack subtracted from the top_p threshold (both variants; 0.01 in both).
         ddof: the variance's delta degrees of freedom (upstream only; RAGEN's std uses n-1).
+        max_skipped_in_a_row: an engaged filter that keeps no group skips the step's update; training
+            stops after this many skipped steps in a row (5, as RAGEN's trainer).
 
     Every setting is checked here, so a bad one fails where the filter is built or attached,
     never in the middle of training. The message names the setting.
@@ -86,8 +90,13 @@ class SNRFilter:
     metric: str = "reward_variance"
     selection_eps: float = 0.01
     ddof: int = 1
+    max_skipped_in_a_row: int = 5
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_skipped_in_a_row, bool) or not isinstance(self.max_skipped_in_a_row, int):
+            raise ValueError(f"SNRFilter max_skipped_in_a_row must be an int, got {self.max_skipped_in_a_row!r}")
+        if self.max_skipped_in_a_row < 1:
+            raise ValueError(f"SNRFilter max_skipped_in_a_row must be at least 1, got {self.max_skipped_in_a_row}")
         _one_of("variant", self.variant, VARIANTS)
         _one_of("strategy", self.strategy, STRATEGIES[self.variant], f" (variant {self.variant!r})")
         _one_of("engage", self.engage, ENGAGE)
@@ -197,6 +206,7 @@ def step_figures(batches: Sequence[tuple[Selection, bool]]) -> dict[str, float]:
         KEPT_RATIO: len(chosen) / len(kept) if kept else 0.0,
         KEPT_ROWS: float(sum(n for n, k in zip(sizes, kept) if k)),
         KEPT_SPREAD: _mean(chosen),
+        SKIPPED: 1.0 if any(engaged and not any(s.kept) for s, engaged in batches) else 0.0,
     }
     if dropped:
         figures[DROPPED_SPREAD] = _mean(dropped)

@@ -2,9 +2,11 @@
 
 A trainer with the filter installed takes one optimizer step; a second trainer, from the same weights,
 takes one step on the kept groups alone (the same completions, rewards and advantages, the dropped rows
-removed). The two updates are equal. Plain SGD without clipping, so that a wrongly scaled gradient
-shows (Adam's first step and clipping would hide a scale). A third trainer, on every group, moves the
-weights differently, so the comparison can fail.
+removed), with the same gradient accumulation over half the rows. The two updates are equal, with the
+kept rows spread unevenly over the micro-batches (TRL shuffles the generation batch before splitting
+it). Plain SGD without clipping, so that a wrongly scaled gradient shows (Adam's first step and
+clipping would hide a scale). A third trainer, on every group, moves the weights differently,
+so the comparison can fail.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from collapse_monitor import Monitor
-from collapse_monitor.integrations.trl_filter import KEPT, install_snr_filter
+from collapse_monitor.integrations.trl_filter import KEPT, SCALE, install_snr_filter
 from collapse_monitor.snr_filter import SNRFilter
 
 ROWS = 16  # four prompts of NUM_GENERATIONS completions: four groups, two of which the filter keeps
@@ -102,7 +104,7 @@ def rows_of(batch: dict, rows: torch.Tensor) -> dict:
     """``batch`` restricted to ``rows``, its token count taken again over them (as TRL counts its batch)."""
     out = {}
     for key, value in batch.items():
-        if key in (KEPT, "num_items_in_batch"):
+        if key in (KEPT, SCALE, "num_items_in_batch"):
             continue
         out[key] = value[rows] if isinstance(value, torch.Tensor) and value.ndim >= 1 else value
     if "num_items_in_batch" in batch:
@@ -118,24 +120,54 @@ def update(trainer, before: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([(p.detach() - before[name]).flatten() for name, p in trainer.model.named_parameters()])
 
 
-CASES = [
-    pytest.param("grpo", {"loss_type": "dapo"}, id="grpo-dapo"),  # TRL's default: normalised by tokens
-    pytest.param("grpo", {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01}, id="grpo-dapo-kl-entropy"),
-    pytest.param("grpo", {"loss_type": "bnpo", "beta": 0.04}, id="grpo-bnpo-kl"),
-    pytest.param("grpo", {"loss_type": "grpo", "beta": 0.04, "entropy_coef": 0.01}, id="grpo-grpo-kl-entropy"),
-    pytest.param("grpo", {"loss_type": "dr_grpo"}, id="grpo-dr_grpo"),  # averaged over sequences: rescaled
-    pytest.param("rloo", {"beta": 0.05}, id="rloo-kl"),
+def micro_batch_kept_rows(trainer) -> list[int]:
+    """Records the kept rows of each micro-batch the loss sees (installed after the filter, so it sees its inputs)."""
+    seen: list[int] = []
+    compute = trainer._compute_loss
+
+    def recorded(model, inputs):
+        seen.append(int(inputs[KEPT].sum()))
+        return compute(model, inputs)
+
+    trainer._compute_loss = recorded
+    return seen
+
+
+def accumulated(accumulation: int, rows: int) -> dict:
+    """``rows`` per generation batch over ``accumulation`` micro-batches, one generation per optimizer step."""
+    return {"gradient_accumulation_steps": accumulation, "per_device_train_batch_size": rows // accumulation}
+
+
+# bnpo and the entropy bonus divide by each micro-batch's tokens: exact with one micro-batch, refused with more.
+ONE_MICRO_BATCH = [
+    pytest.param("grpo", {"loss_type": "dapo", "beta": 0.04, "entropy_coef": 0.01}, 1, id="dapo-kl-entropy-acc1"),
+    pytest.param("grpo", {"loss_type": "bnpo", "beta": 0.04}, 1, id="bnpo-kl-acc1"),
+    pytest.param("grpo", {"loss_type": "grpo", "beta": 0.04, "entropy_coef": 0.01}, 1, id="grpo-kl-entropy-acc1"),
+]
+ACCUMULATED = [
+    pytest.param(kind, settings, accumulation, id=f"{name}-acc{accumulation}")
+    for accumulation in (1, 2, 4)
+    for kind, settings, name in (
+        ("grpo", {"loss_type": "dapo"}, "dapo"),  # TRL's default: normalised by tokens
+        ("grpo", {"loss_type": "grpo"}, "grpo"),  # averaged over sequences: rescaled
+        ("grpo", {"loss_type": "grpo", "beta": 0.04}, "grpo-kl"),
+        ("grpo", {"loss_type": "dr_grpo"}, "dr_grpo"),
+        ("rloo", {"beta": 0.05}, "rloo-kl"),
+    )
 ]
 
 
 # TRL 1.16's configs still set the name transformers 5.24 deprecated; nothing for us to change.
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize(("kind", "settings"), CASES)
-def test_dropped_groups_contribute_no_gradient_the_update_is_the_kept_groups_alone(kind, settings, policy, tmp_path):
-    filtered = make_trainer(kind, policy, tmp_path / "filtered", **settings)
+@pytest.mark.parametrize(("kind", "settings", "accumulation"), ONE_MICRO_BATCH + ACCUMULATED)
+def test_dropped_groups_contribute_no_gradient_the_update_is_the_kept_groups_alone(
+    kind, settings, accumulation, policy, tmp_path
+):
+    filtered = make_trainer(kind, policy, tmp_path / "filtered", **settings, **accumulated(accumulation, ROWS))
     seen = capture_generation(filtered)
     install_snr_filter(filtered, KEEP_TWO)
+    spread = micro_batch_kept_rows(filtered)
     start = weights(filtered)
     filtered.train()
     raw, trained = seen["raw"], seen["trained"]
@@ -143,6 +175,10 @@ def test_dropped_groups_contribute_no_gradient_the_update_is_the_kept_groups_alo
     by_group = kept.view(-1, NUM_GENERATIONS)
     assert (by_group == by_group[:, :1]).all()  # whole groups are kept or dropped ...
     assert by_group[:, 0].tolist().count(True) == 2  # ... two of each
+    assert sum(spread) == 2 * NUM_GENERATIONS
+    assert len(spread) == accumulation
+    if accumulation > 1:
+        assert len(set(spread)) > 1  # unevenly: a per-micro-batch weight would show
     rows = kept.nonzero().flatten()
     dropped = (~kept).nonzero().flatten()
     # Kept groups are unchanged; dropped ones are out of every loss term (mask) and have no advantage.
@@ -154,14 +190,15 @@ def test_dropped_groups_contribute_no_gradient_the_update_is_the_kept_groups_alo
         assert int(trained["num_items_in_batch"]) == int(raw["completion_mask"][rows].sum())
     step_filtered = update(filtered, start)
 
-    alone = make_trainer(kind, policy, tmp_path / "alone", **settings)
+    alone_settings = settings | accumulated(accumulation, len(rows))
+    alone = make_trainer(kind, policy, tmp_path / "alone", **alone_settings)
     assert all(torch.equal(p, start[name]) for name, p in alone.model.named_parameters())  # the same start
     replay(alone, rows_of(raw, rows))
     alone.train()
     step_alone = update(alone, start)
 
-    every = make_trainer(kind, policy, tmp_path / "every", **settings)
-    replay(every, {k: v for k, v in raw.items() if k != KEPT})
+    every = make_trainer(kind, policy, tmp_path / "every", **settings, **accumulated(accumulation, ROWS))
+    replay(every, {k: v for k, v in raw.items() if k not in (KEPT, SCALE)})
     every.train()
     step_every = update(every, start)
 
@@ -232,6 +269,16 @@ def test_settings_the_filter_cannot_work_with_are_refused_at_install_naming_them
     ):
         install_snr_filter(trainer, KEEP_TWO)
     trainer.loss_type = "dapo"
+    trainer.args.steps_per_generation = 2
+    trainer.loss_type = "bnpo"
+    with pytest.raises(ValueError, match=r"loss_type='bnpo' with 2 micro-batches per generation batch"):
+        install_snr_filter(trainer, KEEP_TWO)
+    trainer.loss_type = "dapo"
+    trainer._entropy_bonus_enabled = True
+    with pytest.raises(ValueError, match=r"^entropy_coef with 2 micro-batches .* use loss_type='dapo'"):
+        install_snr_filter(trainer, KEEP_TWO)
+    trainer._entropy_bonus_enabled = False
+    trainer.args.steps_per_generation = 1
     trainer.num_generations = 1
     with pytest.raises(ValueError, match="num_generations must be at least 2, got 1"):
         install_snr_filter(trainer, KEEP_TWO)
@@ -291,3 +338,36 @@ def test_a_rollback_needs_the_filter_and_a_checkpoint_saved_at_pending(service, 
         attach(trainer, monitor, snr_filter=KEEP_TWO, rollback_on=("firing",))
     with pytest.raises(ValueError, match="states must be among pending, firing, resolved, got burning"):
         attach(trainer, monitor, snr_filter=KEEP_TWO, save_on=("pending",), rollback_on=("burning",))
+
+
+def flat_reward(completion_ids, **_kwargs):
+    """Every completion scores the same: no group spreads, so RAGEN's linear top_p keeps none."""
+    return [1.0 for _ in completion_ids]
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("one_thread")
+def test_a_step_that_keeps_no_group_is_skipped_and_training_stops_after_the_limit(policy, tmp_path, caplog):
+    """AdamW with weight decay and warm-up: a zero-gradient step would still move the weights (decay) and
+    the learning rate (scheduler). Neither moves; each skipped step is warned; the third in a row stops."""
+    trainer = make_trainer(
+        "grpo", policy, tmp_path / "out", max_steps=6, optim="adamw_torch", weight_decay=0.1, warmup_steps=3
+    )
+    trainer.reward_funcs = [flat_reward]
+    installed = install_snr_filter(trainer, SNRFilter(max_skipped_in_a_row=3))
+    start = weights(trainer)
+    with (
+        caplog.at_level(logging.WARNING, logger="collapse_monitor"),
+        pytest.raises(
+            RuntimeError, match=r"kept no group for 3 steps in a row \(up to step 3; max_skipped_in_a_row=3\)"
+        ),
+    ):
+        trainer.train()
+    assert not update(trainer, start).any()  # no decay, no momentum: the weights never moved
+    assert trainer.lr_scheduler.last_epoch == 0  # the warm-up never advanced
+    assert (installed.n_skipped, installed.n_skipped_in_a_row) == (3, 3)
+    warned = [r.getMessage() for r in caplog.records if "update is skipped" in r.getMessage()]
+    assert len(warned) == 3
+    assert "kept no group for step 1: its update is skipped (1 in a row, training stops at 3)" in warned[0]
+    assert [entry["rollout/filter_skipped"] for entry in trainer.state.log_history] == [1.0, 1.0]
+    assert all(entry["rollout/filter_kept_count"] == 0 for entry in trainer.state.log_history)

@@ -58,6 +58,7 @@ def test_the_dropped_groups_rows_are_masked_and_nothing_else_changes(tokenizer):
         "rollout/filter_kept_rows": 4.0,
         "rollout/chosen_in_group_reward_std": pytest.approx(math.sqrt(3.0)),
         "rollout/dropped_in_group_reward_std": pytest.approx(math.sqrt(1 / 3) / 2),
+        "rollout/filter_skipped": 0.0,
     }
 
 
@@ -103,6 +104,9 @@ def test_what_the_filter_cannot_work_with_is_refused_naming_it(tokenizer):
         apply_snr_filter(batch, KEEP_ONE, step=1, output="drop")
     with pytest.raises(ValueError, match=r"needs engagement=FilterEngagement.watch\(monitor, snr_filter\)"):
         apply_snr_filter(batch, SNRFilter(engage="on_alert"), step=1)
+    with pytest.raises(ValueError, match=r"output='mask' needs loss_agg_mode='token-mean'.*got 'seq-mean-token-mean'"):
+        apply_snr_filter(batch, KEEP_ONE, step=1, loss_agg_mode="seq-mean-token-mean")
+    assert apply_snr_filter(batch, KEEP_ONE, step=1, output="select", loss_agg_mode="seq-mean-token-sum").engaged
     batch.non_tensor_batch["uid"] = batch.non_tensor_batch["uid"].copy()
     batch.non_tensor_batch["uid"][:] = [str(i) for i in range(12)]
     with pytest.raises(ValueError, match="each of the 12 rows is a group of its own"):

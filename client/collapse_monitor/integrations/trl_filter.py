@@ -21,9 +21,21 @@ per-step series.) What happens each training generation batch:
   takes them out of the policy-gradient, KL and entropy terms, and advantage 0; ``num_items_in_batch``
   is counted again over the kept tokens, so ``loss_type`` dapo (TRL's default), bnpo, cispo and vespo
   normalise by kept tokens only. The loss types that average over sequences (grpo, sapo, dr_grpo, luspo,
-  and RLOO's loss) would count the dropped completions as zeros: there each micro-batch's policy and KL
-  terms are scaled by its rows over its kept rows, which is the average over kept sequences. RLOO's
-  ``old_logps`` of dropped rows are zeroed too, so their ratio stays 1;
+  and RLOO's loss) would count the dropped completions as zeros: there every micro-batch's policy and KL
+  terms are scaled by the generation batch's rows over its kept rows (every process's, counted once per
+  generation batch), so that the micro-batches of one optimizer step sum to the average over the kept
+  sequences however the kept rows fall among them. RLOO's ``old_logps`` of dropped rows are zeroed too,
+  so their ratio stays 1. With ``gradient_accumulation_steps`` equal to ``steps_per_generation`` (TRL's
+  default) the update is the kept groups' alone; with a generation batch spanning several optimizer
+  steps each step gets the generation batch's average weight, as TRL's own dapo normaliser does;
+* ``bnpo`` and the entropy bonus (``entropy_coef``) divide by each micro-batch's own token count, which a
+  run on the kept groups alone would count over different micro-batches: with more than one micro-batch
+  per generation batch no rescaling makes them exact, so they are refused there (use dapo, which
+  normalises the whole generation batch's tokens);
+* a generation batch in which the engaged filter keeps no group trains nothing: its optimizer steps are
+  skipped (no ``optimizer.step``, so no momentum moves the weights, and no scheduler step), each warned
+  and counted in ``rollout/filter_skipped``; after ``max_skipped_in_a_row`` skipped steps in a row
+  (5, RAGEN's) training stops with an error naming the setting;
 * advantages were computed before the filter, from whole groups (the filter keeps or drops whole
   groups, so a kept group's are unchanged with ``scale_rewards`` "group"; "batch" scaling uses the std
   of every group, dropped ones included, as RAGEN's filter after advantage estimation does not).
@@ -36,6 +48,7 @@ without groups (``num_generations`` < 2). Must not import torch at module level.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -55,6 +68,9 @@ from collapse_monitor.snr_filter import (
 logger = logging.getLogger("collapse_monitor")
 
 KEPT = "collapse_monitor_kept"  # [B] bool, 1 for a kept row: rides in TRL's batch dict through shuffle and split
+# [B] float, every row the generation batch's rows over its kept rows: rides along as KEPT does, so each
+# micro-batch carries the weight of the generation batch it came from.
+SCALE = "collapse_monitor_scale"
 TOKEN_NORMALISED = ("dapo", "bnpo", "cispo", "vespo")  # normalised by num_items_in_batch or the mask's sum
 SEQUENCE_MEAN = ("grpo", "sapo", "dr_grpo", "luspo")  # averaged over the micro-batch's sequences
 
@@ -76,6 +92,9 @@ class TRLSNRFilter:
         self._rewards: Any = None  # the last _calculate_rewards answer: [N, n_funcs], every process's rows
         self._selections: list[tuple[Selection, bool]] = []
         self._reported = False  # the first filtered step is logged at WARNING, the rest at DEBUG
+        self._is_empty = False  # the last generation batch kept no group: its optimizer steps are skipped
+        self.n_skipped_in_a_row = 0
+        self.n_skipped = 0
         self._wrap()
 
     def take_figures(self) -> dict[str, float] | None:
@@ -129,12 +148,15 @@ class TRLSNRFilter:
         # An all-unscorable group has no spread: one reward 0 says so under both variants.
         selection = self.snr_filter.select([g or [0.0] for g in groups], rows=[n] * len(groups))
         engaged = self._engaged()
+        self._is_empty = engaged and not any(selection.kept)
         self._selections.append((selection, engaged))
         first = trainer.accelerator.process_index * n_local
         kept_rows = [engaged is False or selection.kept[(first + r) // n] for r in range(n_local)]
         mask = output["completion_mask"]
         keep = _bool_tensor(kept_rows, mask)
         output[KEPT] = keep
+        n_kept = sum(n for kept in selection.kept if kept) if engaged else len(totals)
+        output[SCALE] = output["advantages"].new_full((n_local,), len(totals) / max(n_kept, 1))
         figures = step_figures([(selection, engaged)])
         self._log_metrics(figures)
         if not engaged or all(selection.kept):
@@ -170,14 +192,12 @@ class TRLSNRFilter:
         return engagement.engaged
 
     def _compute_loss(self, compute: Callable[..., Any], model: Any, inputs: dict[str, Any]) -> Any:
-        """TRL's loss; for sequence-mean losses, a micro-batch with dropped rows averaged over its kept rows only."""
-        keep = inputs.get(KEPT)
-        if not self.scales_sequences or keep is None:
+        """TRL's loss; for sequence-mean losses, weighted by the generation batch's rows over its kept rows."""
+        scales = inputs.get(SCALE)
+        # A micro-batch whose rows are all kept is scaled too: its weight is its generation batch's.
+        scale = 1.0 if scales is None or not self.scales_sequences else float(scales[0])
+        if scale == 1.0:
             return compute(model, inputs)
-        n_kept = int(keep.sum())
-        if n_kept in (0, keep.numel()):
-            return compute(model, inputs)
-        scale = keep.numel() / n_kept
         scaled = dict(inputs)
         scaled["advantages"] = inputs["advantages"] * scale
         beta = getattr(self.trainer, "beta", 0.0)
@@ -188,6 +208,47 @@ class TRLSNRFilter:
             return compute(model, scaled)
         finally:
             self.trainer.beta = beta
+
+    def wrap_optimizer(self, optimizer: Any) -> None:
+        """Makes the optimizer of one ``train()`` skip its steps after an empty selection, and the scheduler's.
+
+        The scheduler is told through accelerate's own mark of a skipped step (``step_was_skipped``, set on
+        an fp16 overflow), which the trainer reads before stepping the scheduler: a wrapper on the scheduler
+        would be saved in its checkpointed state.
+        """
+        step = optimizer.step
+        accelerated = self.trainer.accelerator._optimizers  # what optimizer_step_was_skipped reads
+
+        def optimizer_step(*args: Any, **kwargs: Any) -> Any:
+            for each in accelerated:
+                each._is_overflow = self._is_empty
+            if not self._is_empty:
+                self.n_skipped_in_a_row = 0
+                return step(*args, **kwargs)
+            self.n_skipped += 1
+            self.n_skipped_in_a_row += 1
+            limit = self.snr_filter.max_skipped_in_a_row
+            training_step = self.trainer.state.global_step + 1
+            logger.warning(
+                "collapse-monitor: SNR filter kept no group for step %d: its update is skipped (%d in a row, "
+                "training stops at %d)",
+                training_step,
+                self.n_skipped_in_a_row,
+                limit,
+            )
+            if self.n_skipped_in_a_row >= limit:
+                raise RuntimeError(
+                    f"collapse-monitor: the SNR filter kept no group for {self.n_skipped_in_a_row} steps in a row "
+                    f"(up to step {training_step}; max_skipped_in_a_row={limit}): every group's rewards spread "
+                    f"too little for {self.snr_filter.variant} {self.snr_filter.strategy} "
+                    f"{self.snr_filter.value:g}; lower selection_eps, keep zero-spread groups (include_zero) or "
+                    "use a strategy that keeps a count (top_k_abs)"
+                )
+            return None
+
+        # An instance attribute shadows the method the trainer calls; torch's scheduler marks the optimizer's
+        # step it wrapped and warns when the mark is gone: carry it over.
+        optimizer.step = functools.update_wrapper(optimizer_step, step)
 
     def _log_metrics(self, figures: dict[str, float]) -> None:
         metrics = getattr(self.trainer, "_metrics", None)
@@ -233,7 +294,18 @@ def install_snr_filter(trainer: Any, snr_filter: SNRFilter, engagement: FilterEn
                 "attach(trainer, monitor, snr_filter=...), or engage='always' without a monitor"
             )
         engagement = FilterEngagement(snr_filter)
-    return TRLSNRFilter(trainer, snr_filter, engagement)
+    from transformers import TrainerCallback
+
+    installed = TRLSNRFilter(trainer, snr_filter, engagement)
+
+    class SkipEmptySteps(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
+        """Wraps each ``train()``'s optimizer and scheduler, which TRL creates inside ``train()``."""
+
+        def on_train_begin(self, _args: Any, _state: Any, _control: Any, **kwargs: Any) -> None:
+            installed.wrap_optimizer(kwargs["optimizer"])
+
+    trainer.add_callback(SkipEmptySteps())
+    return installed
 
 
 def check_trainer(trainer: Any) -> None:
@@ -262,6 +334,25 @@ def check_trainer(trainer: Any) -> None:
             "cannot adjust; set use_liger_kernel=False"
         )
     loss_type = getattr(trainer, "loss_type", None)
+    micro_batches: int = (
+        getattr(args, "steps_per_generation", None) or getattr(args, "gradient_accumulation_steps", None) or 1
+    )
+    if micro_batches > 1:
+        per_micro_batch = [
+            name
+            for name, is_set in (
+                ("loss_type='bnpo'", loss_type == "bnpo"),
+                ("entropy_coef", bool(getattr(trainer, "_entropy_bonus_enabled", False))),
+            )
+            if is_set
+        ]
+        if per_micro_batch:
+            raise ValueError(
+                f"{' and '.join(per_micro_batch)} with {micro_batches} micro-batches per generation batch "
+                "(steps_per_generation): they divide by each micro-batch's own token count, which the SNR filter "
+                "cannot make equal to a run on the kept groups alone; use loss_type='dapo' (normalised over the "
+                "generation batch's tokens) and no entropy bonus, or one micro-batch per generation batch"
+            )
     if not _is_rloo(trainer) and loss_type not in (*TOKEN_NORMALISED, *SEQUENCE_MEAN):
         raise ValueError(
             f"loss_type must be one of {', '.join((*TOKEN_NORMALISED, *SEQUENCE_MEAN))} for the SNR filter "

@@ -33,7 +33,8 @@ before the advantages are computed, after ``log_batch`` (which sends every group
 
 ``output="mask"`` (the default, as the upstream pull requests) zeroes ``response_mask`` (and RAGEN's
 ``loss_mask``) of the dropped groups' rows, which verl's ``token-mean`` loss aggregation (its default)
-then normalises over the kept tokens only; ``output="select"`` returns the kept rows alone, as RAGEN
+then normalises over the kept tokens only (pass ``loss_agg_mode``: the ``seq-mean-*`` modes would count
+the masked rows, so mask mode refuses them); ``output="select"`` returns the kept rows alone, as RAGEN
 does (the batch shrinks: keep its size divisible by what your mini-batches and workers need).
 
 What is read from the batch, per row (one row is one trajectory):
@@ -183,6 +184,7 @@ def apply_snr_filter(
     engagement: FilterEngagement | None = None,
     reward_key: str | None = None,
     output: str = "mask",
+    loss_agg_mode: str = "token-mean",
 ) -> FilteredBatch:
     """Keeps the prompt groups of a ``DataProto`` whose rewards spread the most (see the module docstring).
 
@@ -190,11 +192,13 @@ def apply_snr_filter(
     prompts; ``token_level_scores``, ``rm_scores`` or ``token_level_rewards`` summed, or ``reward_key``); a
     row without a finite reward is left out of its group's statistics. ``engagement``: when the filter acts
     (``FilterEngagement.watch(monitor, snr_filter)`` for ``engage="on_alert"``; none needed for "always");
-    it is read here, on the training thread, without any network call.
+    it is read here, on the training thread, without any network call. ``loss_agg_mode``: the actor's
+    (``actor_rollout_ref.actor.loss_agg_mode``); ``output="mask"`` needs ``token-mean``.
 
     Raises:
         ValueError: an unknown ``output``, ``engage="on_alert"`` without an engagement, no mask to zero
-            (``output="mask"``), or a batch whose groups all hold one row.
+            (``output="mask"``), ``output="mask"`` under a ``seq-mean-*`` loss aggregation, or a batch whose
+            groups all hold one row.
         KeyError: the batch holds no rewards.
     """
     if output not in ("mask", "select"):
@@ -203,6 +207,14 @@ def apply_snr_filter(
     masks = [name for name in LOSS_MASKS if _has(tensors, name)]
     if output == "mask" and not masks:
         raise ValueError(f"output='mask' needs a loss mask to zero ({', '.join(LOSS_MASKS)}); use output='select'")
+    if output == "mask" and loss_agg_mode != "token-mean":
+        # seq-mean-* divides each micro-batch by its rows, masked ones included, so the kept sequences would
+        # weigh by how many dropped rows share their micro-batch (verl splits and balances the batch itself):
+        # no rescaling here can undo that, so it is refused rather than made approximately right.
+        raise ValueError(
+            f"output='mask' needs loss_agg_mode='token-mean' (masked rows count in the other modes' sequence "
+            f"averages), got {loss_agg_mode!r}; use output='select', which trains on the kept rows alone"
+        )
     if engagement is None:
         if snr_filter.engage != "always":
             raise ValueError("SNRFilter engage='on_alert' needs engagement=FilterEngagement.watch(monitor, snr_filter)")
