@@ -25,6 +25,7 @@ class Misbehaving(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self) -> None:  # /v1/models, the first request of a scorer's load
+        self.server.tries += 1
         if self.server.mode == "hang":
             self.server.release.wait(60)
             return
