@@ -236,6 +236,10 @@ class VllmScorer:
         deadline = time.monotonic() + self.settings.timeout_seconds
         headers = {"Accept-Encoding": "gzip, deflate"}
         with self.http.stream(method, path, json=body, headers=headers) as response:
+            if response.is_stream_consumed:  # read whole by its transport (httpx.MockTransport): nothing left to bound
+                if len(response.content) > limit:
+                    raise _NoAnswer(f"answer larger than max_answer_bytes={limit}")
+                return response.status_code, response.content
             encoding = response.headers.get("content-encoding", "identity").strip().lower()
             if encoding not in ("identity", "gzip", "deflate"):
                 raise _NoAnswer(f"answered in a {encoding!r} encoding, not gzip, deflate or none")
