@@ -719,6 +719,64 @@ def anonymous_body(megabytes: int) -> dict:
         }
 
 
+# Issue 38, items 1, 2 and 5 (the service side). One vector: a vLLM scorer that hangs.
+def _scored_pace(srv: Server, run: str, batches: int) -> float:
+    """Batches of ``run`` scored a second: ``batches`` posted at once, timed until the last is done."""
+    ids = [
+        httpx.post(srv.base + f"/v1/runs/{run}/batches", json=_trajectories_batch(step), timeout=60).json()["batch_id"]
+        for step in range(1, batches + 1)
+    ]
+    start = time.perf_counter()
+    for batch_id in ids:
+        while httpx.get(srv.base + f"/v1/batches/{batch_id}", timeout=60).json()["status"] not in ("done", "failed"):
+            time.sleep(0.05)
+    return batches / (time.perf_counter() - start)
+
+
+def _trajectories_batch(step: int) -> dict:
+    groups = [
+        {"group_id": g, "reward": float(i), "turns": [{"prompt": f"question {g}", "response": f"answer {g} {i}"}]}
+        for g in range(4)
+        for i in range(3)
+    ]
+    return {"step": step, "trajectories": groups}
+
+
+def hanging_scorer(batches: int) -> dict:
+    """Another run's scoring pace on one worker while a vLLM scorer hangs (every request to its deadline)."""
+    from tests.misbehaving_vllm import misbehaving_server
+
+    with misbehaving_server("hang") as hung:
+        spec = f"vllm+http://127.0.0.1:{hung.server_address[1]}?model=m&tokenizer=tiny-random"
+        settings = {
+            "SCORERS": json.dumps({"tiny-random": "tiny-random", "stuck": spec}),
+            "VLLM_TIMEOUT_SECONDS": "2",
+            "VLLM_RETRIES": "1",
+            "MAX_ATTEMPTS": "1000",  # the stuck batches keep being probed for the whole measurement
+        }
+        paces = {}
+        for stuck_batches in (0, 1):
+            with server(worker=True, **settings) as srv:
+                httpx.post(srv.base + "/v1/runs", json={"name": "warm"}, timeout=60)
+                _scored_pace(srv, "warm", 1)  # loads the scorer
+                httpx.post(srv.base + "/v1/runs", json={"name": "ok"}, timeout=60)
+                if stuck_batches:
+                    httpx.post(srv.base + "/v1/runs", json={"name": "stuck", "scorer": "stuck"}, timeout=60)
+                    stuck_id = httpx.post(
+                        srv.base + "/v1/runs/stuck/batches", json=_trajectories_batch(1), timeout=60
+                    ).json()["batch_id"]
+                paces[stuck_batches] = _scored_pace(srv, "ok", batches)
+                if stuck_batches:
+                    stuck = httpx.get(srv.base + f"/v1/batches/{stuck_id}", timeout=60).json()
+        return {
+            "alone_batches_per_second": round(paces[0], 2),
+            "beside_hanging_scorer_batches_per_second": round(paces[1], 2),
+            "pace_ratio": round(paces[1] / paces[0], 2),
+            "hung_requests": hung.tries,
+            "stuck_batch": {"status": stuck["status"], "error": (stuck["error"] or "")[:200]},
+        }
+
+
 VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
     # name: (unit, measure, sizes, small sizes, a size the service refuses)
     "think_tags": ("<think> per response", think_tags, [5000, 10_000, 20_000], [1000, 2000, 4000], None),
@@ -744,6 +802,8 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "many_runs": ("runs", many_runs, [100, 1000, 3000], [30, 100, 300], None),
     "forwarded_for": ("requests", forwarded_for, [600], [300], None),
     "storage_quota": ("3.1 MB batches", storage_quota, [8, 16, 32], [4, 8, 12], None),
+    # Issue 38 (service side): a hanging vLLM scorer beside a healthy run on one worker.
+    "hanging_scorer": ("batches of the healthy run", hanging_scorer, [40], [15], None),
 }
 
 

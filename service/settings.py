@@ -64,15 +64,21 @@ class VllmEndpoint:
         return cls(url=base, model=query["model"], tokenizer=query["tokenizer"], dtype=query.get("dtype", "auto"))
 
 
+# A request of max_batch_tokens (8k) prompt tokens answers ~1 MB; 64x that is room, not a 1 GB answer held whole.
+VLLM_MAX_ANSWER_BYTES = 64 * 2**20
+
+
 @dataclass(frozen=True)
 class VllmClientSettings:
     """How requests are sent: at most ``concurrency`` at a time, each of at most ``request_tokens`` prompt
-    tokens, waited for ``timeout_seconds``, tried ``retries`` more times when the server does not answer."""
+    tokens, given ``timeout_seconds`` in all and ``max_answer_bytes`` of answer, tried ``retries`` more
+    times when the server does not answer."""
 
     timeout_seconds: float
     concurrency: int
     retries: int
     request_tokens: int
+    max_answer_bytes: int = VLLM_MAX_ANSWER_BYTES
 
 
 class Settings(BaseSettings):
@@ -108,7 +114,17 @@ class Settings(BaseSettings):
         "(docs/deploy.md, Scoring backends). Clients pick a name, never a path.",
     )
     vllm_timeout_seconds: float = Field(
-        120.0, gt=0, description="vLLM scorers: longest wait for one request's answer before it is tried again."
+        120.0,
+        gt=0,
+        description="vLLM scorers: the whole time one request may take, connecting to the last byte of its answer "
+        "(a total deadline, not a per-read one: an answer dripped a byte at a time fails at it), before it is tried "
+        "again.",
+    )
+    vllm_max_answer_bytes: int = Field(
+        VLLM_MAX_ANSWER_BYTES,
+        ge=2**16,
+        description="vLLM scorers: the largest answer read, as sent and once decompressed; a larger one is refused "
+        "before it is read further (a request of max_batch_tokens prompt tokens answers ~100 bytes a token).",
     )
     vllm_concurrency: int = Field(
         4,
@@ -452,6 +468,7 @@ class Settings(BaseSettings):
             concurrency=self.vllm_concurrency,
             retries=self.vllm_retries,
             request_tokens=self.max_batch_tokens,
+            max_answer_bytes=self.vllm_max_answer_bytes,
         )
 
     def scoring_config(self, model: str, temperature: float = 1.0) -> ScoringConfig:

@@ -99,7 +99,7 @@ class ScorerPool:
                     f"scorer {name!r} is served by vLLM at {endpoint.url}: it scores the weights its server loaded, "
                     "not a checkpoint a trainer announces; announce checkpoints on runs of an in-process scorer"
                 )
-            return load_vllm_scorer(base_model, endpoint, self.settings.cache_dir, self.settings.vllm_client)
+            return load_vllm_scorer(name, endpoint, self.settings.cache_dir, self.settings.vllm_client)
         if checkpoint is None:
             return load_scorer(self.settings.scoring_config(base_model), self.settings.cache_dir)
         # Checked again now: the folder may have been swapped for a link out of the root since it was announced.

@@ -21,8 +21,11 @@ import fastapi.
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -38,6 +41,7 @@ from scoring.cross_scores import CrossScores, ScoringError, pair_scores, score_b
 from scoring.scorer import ModelLoadError, Scorer
 from service.jobs.interrupts import ScorerUnavailable
 from service.loops import Backoff
+from service.schemas.inputs import MAX_ABS_LOGPROB
 from service.schemas.results import ScoredBy
 from service.settings import VllmClientSettings, VllmEndpoint
 
@@ -150,37 +154,65 @@ class VllmScorer:
             "prompt_logprobs": 0,
             "temperature": 0.0,
         }
-        choices = {c["index"]: c for c in self._request("POST", "/v1/completions", body)["choices"]}
-        out = []
-        for i, (sequence, start) in enumerate(zip(sequences, starts, strict=True)):
-            positions = choices[i].get("prompt_logprobs") or []
-            if len(positions) != len(sequence):
-                raise ScoringError(
-                    f"scorer {self.name!r}: the vLLM server returned {len(positions)} prompt log-probs for a "
-                    f"sequence of {len(sequence)} tokens"
+        answer = self._request("POST", "/v1/completions", body)
+        try:
+            choices = {int(c["index"]): c for c in answer["choices"]}
+            out = []
+            for i, (sequence, start) in enumerate(zip(sequences, starts, strict=True)):
+                positions = choices[i].get("prompt_logprobs") or []
+                if len(positions) != len(sequence):
+                    raise MalformedAnswer(
+                        f"scorer {self.name!r}: the vLLM server returned {len(positions)} prompt log-probs for a "
+                        f"sequence of {len(sequence)} tokens"
+                    )
+                # Position t holds the log-probs of the sequence's token t given the tokens before it, keyed by id.
+                values = [float(positions[t][str(sequence[t])]["logprob"]) for t in range(start, len(sequence))]
+                out.append(np.array(values, dtype=np.float64))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, MalformedAnswer):
+                raise
+            raise MalformedAnswer(
+                f"scorer {self.name!r}: the vLLM server at {self.endpoint.url} answered POST /v1/completions without "
+                f"the prompt log-probs asked for ({type(e).__name__}: {e})"
+            ) from e
+        for logprobs in out:
+            # The checks a trainer's log-probs pass (schemas.inputs.TurnWithEntropy): a log-probability is finite
+            # and <= 0 nats; +3.0 from a broken server would otherwise be scored as total collapse.
+            bad = next((v for v in logprobs if not (math.isfinite(v) and -MAX_ABS_LOGPROB <= v <= 0)), None)
+            if bad is not None:
+                raise MalformedAnswer(
+                    f"scorer {self.name!r}: the vLLM server at {self.endpoint.url} returned a log-probability of "
+                    f"{bad} nats; log-probs must be finite and <= 0"
                 )
-            # Position t holds the log-probs of the sequence's token t given the tokens before it, keyed by id.
-            out.append(np.array([positions[t][str(sequence[t])]["logprob"] for t in range(start, len(sequence))]))
         return out
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One API call, tried ``1 + retries`` times while the server does not answer."""
+        """One API call, tried ``1 + retries`` times while the server does not answer (or answers a proxy's page)."""
         failures = 0
         while True:
             try:
-                response = self.http.request(method, path, json=body)
-            except httpx.TransportError as e:  # refused, reset, timed out
+                status, answer = self._exchange(method, path, body)
+            except _NoAnswer as e:  # past the deadline, too large
+                reason = str(e)
+            except httpx.TransportError as e:  # refused, reset, no byte within the deadline
                 reason = f"{type(e).__name__}: {e}"
             else:
-                if response.status_code < 500:
-                    if response.status_code >= 400:
-                        raise ScoringError(
-                            f"scorer {self.name!r}: the vLLM server refused {method} {path} with "
-                            f"{response.status_code}: {_message(response)}"
-                        )
-                    data: dict[str, Any] = response.json()
-                    return data
-                reason = f"{response.status_code}: {_message(response)}"
+                if 400 <= status < 500:
+                    raise ScoringError(
+                        f"scorer {self.name!r}: the vLLM server at {self.endpoint.url} refused {method} {path} with "
+                        f"{status}: {_message(answer)}"
+                    )
+                if status < 400:
+                    try:
+                        data = json.loads(answer)
+                    except ValueError:
+                        data = None
+                    if isinstance(data, dict):
+                        return data
+                    # A 200 that is not a JSON object is a proxy's or load balancer's page, not vLLM's: an outage.
+                    reason = f"{status} that is not a JSON object: {answer[:120]!r}"
+                else:
+                    reason = f"{status}: {_message(answer)}"
             failures += 1
             if failures > self.settings.retries:
                 raise ScorerUnavailable(
@@ -189,6 +221,53 @@ class VllmScorer:
                 )
             log.warning("scorer %s: %s %s failed (try %d): %s", self.name, method, path, failures, reason)
             time.sleep(REQUEST_BACKOFF.delay(failures))
+
+    def _exchange(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+        """One try: the status and the (decompressed) answer, within ``timeout_seconds`` in all and
+        ``max_answer_bytes`` as sent and as decompressed.
+
+        httpx's timeouts are per read, so the deadline is checked between the chunks read: a server
+        that sends nothing fails at the read timeout (the whole deadline), one that drips bytes at the
+        first chunk past it, so a try ends within twice the deadline at worst. The answer is
+        decompressed here, bounded chunk by chunk, not by httpx, which expands a chunk whole (a gzip
+        bomb's 64 KB read would be 64 MB).
+        """
+        limit = self.settings.max_answer_bytes
+        deadline = time.monotonic() + self.settings.timeout_seconds
+        headers = {"Accept-Encoding": "gzip, deflate"}
+        with self.http.stream(method, path, json=body, headers=headers) as response:
+            if response.is_stream_consumed:  # read whole by its transport (httpx.MockTransport): nothing left to bound
+                if len(response.content) > limit:
+                    raise _NoAnswer(f"answer larger than max_answer_bytes={limit}")
+                return response.status_code, response.content
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("identity", "gzip", "deflate"):
+                raise _NoAnswer(f"answered in a {encoding!r} encoding, not gzip, deflate or none")
+            # wbits 47: zlib or gzip headers, detected (deflate in the wild is either)
+            inflate = zlib.decompressobj(wbits=47) if encoding != "identity" else None
+            sent = 0
+            answer = bytearray()
+            for chunk in response.iter_raw():
+                sent += len(chunk)
+                if sent > limit:
+                    raise _NoAnswer(f"answer larger than max_answer_bytes={limit} as sent")
+                if inflate is None:
+                    answer += chunk
+                else:
+                    pending = chunk
+                    while pending:
+                        answer += inflate.decompress(pending, limit + 1 - len(answer))
+                        pending = inflate.unconsumed_tail
+                        if len(answer) > limit:
+                            break
+                if len(answer) > limit:
+                    raise _NoAnswer(f"answer larger than max_answer_bytes={limit} once decompressed")
+                if time.monotonic() > deadline:
+                    raise _NoAnswer(
+                        f"answer not complete within vllm_timeout_seconds={self.settings.timeout_seconds:g} "
+                        f"({sent} bytes read)"
+                    )
+            return response.status_code, bytes(answer)
 
     def close(self) -> None:
         self.http.close()
@@ -229,12 +308,20 @@ def _requests(
     return requests
 
 
-def _message(response: httpx.Response) -> str:
+class _NoAnswer(Exception):
+    """A try that got no usable answer in time or in size: retried as the server not answering."""
+
+
+class MalformedAnswer(ScoringError):
+    """A vLLM answer without the log-probs asked for, or with ones no model gives (not finite, above 0 nats)."""
+
+
+def _message(answer: bytes) -> str:
     """The server's error message, short."""
     try:
-        data = response.json()
+        data = json.loads(answer)
     except ValueError:
-        return response.text[:300]
+        return answer[:300].decode("utf-8", "replace")
     if isinstance(data, dict):
         error = data.get("error", data.get("message", data))
         if isinstance(error, dict):

@@ -7,8 +7,12 @@ batches back at once instead. A batch's metric points, EMA states, status and re
 in one transaction, and only while this worker still holds the lease, so every batch is scored
 exactly once.
 
-A scorer served elsewhere (vLLM) that does not answer puts the batch back in the queue, uncounted,
-and the worker waits (``SCORER_BACKOFF``) before it claims again.
+A scorer served elsewhere (vLLM) that does not answer (each request within its total deadline,
+``vllm_timeout_seconds``, and its retries) puts the batch back in the queue with that error, which
+the API shows while it waits, and opens the scorer's circuit breaker: the worker claims no batch of
+that scorer for ``SCORER_BACKOFF`` (2 s, 4 s, ... 30 s), while other scorers' runs are claimed as
+usual, then claims one as a probe. Each put-back counts an attempt, so a batch whose scorer stays
+away fails after ``max_attempts`` probes with the scorer's last error.
 
 Failures: a batch that cannot be scored or stored (bad content, longer than the scorer's context,
 a checkpoint that does not load, results the database refuses, longer than
@@ -80,7 +84,8 @@ class Worker:
         self._release_predecessors = True
         self._release_own = False
         self._leased_at = time.monotonic()
-        self._scorer_failures = 0  # consecutive batches put back because their scorer's server did not answer
+        # The circuit breakers: scorer name -> (consecutive batches put back, monotonic time of the next probe).
+        self._scorers_down: dict[str, tuple[int, float]] = {}
 
     def run(self, stop: threading.Event) -> None:
         """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty.
@@ -111,15 +116,12 @@ class Worker:
         batch_id = self._claim()
         if batch_id is None:
             return False
-        failures = self._scorer_failures
         try:
             self._process(batch_id)
         except Exception as e:
             if outage(e) is not None:  # the batch stays leased to this worker: put it back once the database answers
                 self._release_own = True
             raise
-        if self._scorer_failures > failures:  # put back, its scorer away: wait before claiming it again
-            self.stop.wait(SCORER_BACKOFF.delay(self._scorer_failures))
         return True
 
     def _process(self, batch_id: str) -> None:
@@ -128,6 +130,7 @@ class Worker:
         heartbeat = threading.Thread(target=self._heartbeat, args=(batch_id, renewing, lost), daemon=True)
         heartbeat.start()
         start = time.perf_counter()
+        claimed: Claimed | None = None
         try:
             claimed = self._load(batch_id)
             scored = self._score(claimed, self._interrupter(start, lost))
@@ -136,7 +139,9 @@ class Worker:
             return
         except ScorerUnavailable as e:
             self._put_back(batch_id, str(e))
-            self._scorer_failures += 1
+            if claimed is not None:
+                failures = self._scorers_down.get(claimed.run.scorer, (0, 0.0))[0] + 1
+                self._scorers_down[claimed.run.scorer] = (failures, time.monotonic() + SCORER_BACKOFF.delay(failures))
             return
         except BatchDeleted:
             log.info("worker %s: batch %s was deleted with its run; nothing to score", self.owner, batch_id)
@@ -153,7 +158,7 @@ class Worker:
         finally:
             renewing.set()
             heartbeat.join()
-        self._scorer_failures = 0
+        self._scorers_down.pop(claimed.run.scorer, None)  # it answered: closed again
         seconds = time.perf_counter() - start
         try:
             self._finish(batch_id, lambda: self._finish_done(claimed, scored, seconds))
@@ -221,17 +226,23 @@ class Worker:
             )
 
     def _put_back(self, batch_id: str, scorer_down: str | None = None) -> None:
-        """Puts the batch back, uncounted: at shutdown, or when ``scorer_down`` says its scorer's server is away."""
+        """Puts the batch back: uncounted at shutdown; counted, with the error kept on it, when ``scorer_down``
+        says its scorer's server is away."""
         with self.sessions.begin() as session:
-            queue.release_leases(session, self.owner, count_attempt=False)
+            queue.release_leases(session, self.owner, count_attempt=scorer_down is not None, error=scorer_down)
         if scorer_down is None:
             log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
         else:
             log.warning("worker %s: batch %s is back in the queue: %s", self.owner, batch_id, scorer_down)
 
     def _claim(self) -> str | None:
+        """The next batch, passing over the runs of scorers whose breaker is open (not yet time to probe)."""
+        now = time.monotonic()
+        down = [name for name, (_, probe_at) in self._scorers_down.items() if probe_at > now]
         with self.sessions.begin() as session:
-            batch = queue.claim_batch(session, self.owner, self.settings.lease_seconds, self.settings.max_attempts)
+            batch = queue.claim_batch(
+                session, self.owner, self.settings.lease_seconds, self.settings.max_attempts, skip_scorers=down
+            )
             return batch.id if batch is not None else None
 
     def _load(self, batch_id: str) -> Claimed:

@@ -6,10 +6,10 @@ fastapi.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from sqlalchemy import and_, case, exists, func, or_, select, update
+from sqlalchemy import and_, case, exists, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from service.storage.clock import db_time
@@ -94,7 +94,9 @@ _token_group = func.coalesce(Run.created_by_token, 0)
 MAX_LOST_CLAIMS = 8
 
 
-def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts: int) -> Batch | None:
+def claim_batch(
+    session: Session, owner: str, lease_seconds: float, max_attempts: int, skip_scorers: Collection[str] = ()
+) -> Batch | None:
     """Claims the next batch to score: round-robin across tokens, then across their runs, step order within a run.
 
     Runs are grouped by the ingest token that created them (runs created without one form one
@@ -107,7 +109,10 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
     once (the groups' last service is one grouped pass over ``runs``), whatever the queue holds.
     On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim different
     runs without waiting on each other; a batch whose lease expired is claimed again. A batch
-    interrupted ``max_attempts`` times is marked failed instead of looping forever.
+    interrupted ``max_attempts`` times is marked failed instead of looping forever, with the last
+    try's error when one was kept (a scorer's server that did not answer). Runs of a scorer in
+    ``skip_scorers`` (one whose server is down) are passed over, so their batches wait without
+    holding the others'.
 
     The claim is a compare-and-set: its UPDATE changes the batch only if it still is as it was
     read (status, lease owner, lease expiry, attempts) and still claimable by the database's
@@ -129,6 +134,7 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
             select(Run.id)
             .join(served, served.c.token == _token_group)
             .where(exists().where(Batch.run_id == Run.id, claimable), ~busy)
+            .where(Run.scorer.not_in(skip_scorers) if skip_scorers else true())
             .order_by(served.c.at.asc().nulls_first(), Run.last_claimed_at.asc().nulls_first(), oldest, Run.id)
             .limit(1)
         )
@@ -141,7 +147,7 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
         if run_id is None:
             return None
         seen = session.execute(
-            select(Batch.id, Batch.status, Batch.lease_owner, Batch.lease_expires_at, Batch.attempts)
+            select(Batch.id, Batch.status, Batch.lease_owner, Batch.lease_expires_at, Batch.attempts, Batch.error)
             .where(Batch.run_id == run_id, claimable)
             .order_by(Batch.segment, Batch.step, Batch.created_at)
             .limit(1)
@@ -160,7 +166,10 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
         # Either way the claim counts an attempt, and writes only if the batch is still as read.
         take = update(Batch).where(as_read).values(attempts=Batch.attempts + 1)
         if seen.attempts + 1 > max_attempts:
-            error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
+            if seen.error:  # the reason each try was put back: its scorer's server
+                error = f"scoring was tried {max_attempts} times; giving up. The last try: {seen.error}"
+            else:
+                error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
             failed = session.execute(
                 take.values(
                     status="failed", finished_at=now, error=error, lease_owner=None, lease_expires_at=None
@@ -192,12 +201,14 @@ def claim_batch(session: Session, owner: str, lease_seconds: float, max_attempts
     return None
 
 
-def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) -> list[str]:
+def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool, error: str | None = None) -> list[str]:
     """Puts the batches whose lease owner starts with ``owner_prefix`` back in the queue at once.
 
     ``count_attempt``: whether the interrupted scoring counts towards ``max_attempts`` (it does
     when the worker crashed, which the batch itself may have caused; not on a shutdown or when
-    the database was away). Returns the ids released. One UPDATE whose condition is the lease
+    the database was away). ``error``, when given, is kept on the queued batch: why it waits (its
+    scorer's server did not answer), shown by the API until the batch is scored. Returns the ids
+    released. One UPDATE whose condition is the lease
     itself (still scoring, still this owner's), so a batch finished or taken over meanwhile is
     left alone.
     """
@@ -210,6 +221,7 @@ def release_leases(session: Session, owner_prefix: str, *, count_attempt: bool) 
                 lease_owner=None,
                 lease_expires_at=None,
                 attempts=Batch.attempts if count_attempt else Batch.attempts - 1,
+                **({"error": error} if error is not None else {}),
             )
             .returning(Batch.id)
             .execution_options(synchronize_session=False)

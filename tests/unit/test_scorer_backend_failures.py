@@ -1,0 +1,93 @@
+"""A vLLM scorer whose server misbehaves, against a real HTTP server on loopback: every try ends within its
+deadline, answers are read within a size cap (as sent and decompressed), an outage (hang, 5xx, reset, drip,
+a proxy's HTML page) is retried and then reported as the server not answering, and an answer without valid
+log-probs fails with a named error. The real vLLM server: tests/vllm."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from scoring import ScoringConfig
+from service.jobs.interrupts import ScorerUnavailable
+from service.jobs.vllm import MalformedAnswer, VllmScorer
+from service.settings import VllmClientSettings, VllmEndpoint
+from tests.conftest import random_batch
+from tests.misbehaving_vllm import MisbehavingServer, misbehaving_server
+
+DEADLINE_SECONDS = 1.0
+CAP_BYTES = 2**20
+# Generous: two tries of one deadline, the backoff between them, and a busy machine.
+WITHIN_SECONDS = 20.0
+
+
+@pytest.fixture
+def server() -> Iterator[MisbehavingServer]:
+    with misbehaving_server() as httpd:
+        yield httpd
+
+
+def scorer_of(server: MisbehavingServer) -> VllmScorer:
+    port = server.server_address[1]
+    endpoint = VllmEndpoint.parse(f"vllm+http://127.0.0.1:{port}?model=m&tokenizer=t")
+    assert endpoint is not None
+    client = VllmClientSettings(
+        timeout_seconds=DEADLINE_SECONDS, concurrency=2, retries=1, request_tokens=64, max_answer_bytes=CAP_BYTES
+    )
+    return VllmScorer("big", endpoint, {i: i for i in range(64)}, client)
+
+
+def test_a_server_answering_valid_log_probs_is_scored(server):
+    scorer = scorer_of(server)
+    scores = scorer.score(random_batch(seed=1), ScoringConfig())
+    assert (scores.L_seq <= 0).all()
+    scorer.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "cause"),
+    [
+        ("hang", r"ReadTimeout"),
+        ("drip", r"answer not complete within vllm_timeout_seconds=1"),
+        ("5xx", r"503: engine is restarting"),
+        ("reset", r"(RemoteProtocolError|ReadError)"),
+        ("html", r"200 that is not a JSON object: b'<html>"),
+        ("huge", r"answer larger than max_answer_bytes=1048576 as sent"),
+        ("gzip-bomb", r"answer larger than max_answer_bytes=1048576 once decompressed"),
+    ],
+)
+def test_a_server_that_gives_no_usable_answer_is_retried_then_reported_within_the_deadline(server, mode, cause):
+    server.mode = mode
+    scorer = scorer_of(server)
+    start = time.monotonic()
+    with pytest.raises(
+        ScorerUnavailable,
+        match=rf"scorer 'big': the vLLM server at http://127.0.0.1:\d+ did not "
+        rf"answer POST /v1/completions after 2 tries \({cause}",
+    ):
+        scorer.score(random_batch(seed=1), ScoringConfig())
+    assert time.monotonic() - start < WITHIN_SECONDS
+    assert server.tries >= 2  # retried: an outage, not the batch's fault
+    scorer.close()
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("positive", r"returned a log-probability of 3.0 nats; log-probs must be finite and <= 0"),
+        (
+            "malformed",
+            r"answered POST /v1/completions without the prompt log-probs asked for \(.*prompt_logprobs|"
+            r"returned 0 prompt log-probs",
+        ),
+    ],
+)
+def test_an_answer_without_valid_log_probs_fails_the_batch_naming_the_backend(server, mode, message):
+    server.mode = mode
+    scorer = scorer_of(server)
+    with pytest.raises(MalformedAnswer, match=rf"scorer 'big'.*({message})"):
+        scorer.score(random_batch(seed=1), ScoringConfig())
+    assert server.tries == 1 or mode == "malformed"  # not retried: the same answer would come again
+    scorer.close()
