@@ -777,6 +777,105 @@ def hanging_scorer(batches: int) -> dict:
         }
 
 
+# Issue 38, client side: hostile files under a followed folder, and the slime hook's time in the trainer.
+
+
+def followed(files: dict[str, Callable[[Path], None]]) -> dict:
+    """``collapse-monitor-client follow --once`` over a folder of ``files`` (name: writer) and a later good
+    step: its time, its peak RSS (``wait4``'s ``ru_maxrss``) and the steps it sent."""
+    import os
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "rollouts"
+        folder.mkdir()
+        for name, write in files.items():
+            write(folder / name)
+        time.sleep(0.02)
+        good = {"step": 9, "trajectories": [{"group_id": 0, "reward": 1.0, "prompt": "p", "response": "r"}] * 2}
+        (folder / "9.jsonl").write_text(json.dumps(good) + "\n")
+        cli = Path(sys.executable).parent / "collapse-monitor-client"
+        command = [str(cli), "follow", str(folder), "--run", "r", "--url", "http://127.0.0.1:9", "--once"]
+        start = time.perf_counter()
+        child = subprocess.Popen(
+            [*command, "--settle", "0", "--spool-dir", f"{tmp}/spool"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        _, status, usage = os.wait4(child.pid, 0)
+        out = child.stdout.read() if child.stdout else b""
+        return {
+            "exit": os.waitstatus_to_exitcode(status),
+            "seconds": round(time.perf_counter() - start, 2),
+            "peak_rss_mb": round(usage.ru_maxrss / 1024),
+            "steps": json.loads(out or b"{}").get("steps"),
+        }
+
+
+def follow_nuls(megabytes: int) -> dict:
+    """A step file of ``megabytes`` MB of NULs (sparse), no newline (issue 38: 2 GB cost 4.1 GB)."""
+
+    def write(path: Path) -> None:
+        with open(path, "wb") as f:
+            f.truncate(megabytes * 2**20)
+
+    return {"bytes": megabytes * 2**20} | followed({"2.jsonl": write})
+
+
+def follow_deep_json(depth: int) -> dict:
+    """A step file of one JSON array nested ``depth`` deep (issue 38: 100,000 crash-looped follow)."""
+    return {"bytes": 2 * depth + 1} | followed({"2.jsonl": lambda p: p.write_text("[" * depth + "]" * depth + "\n")})
+
+
+def follow_unreadable(copies: int) -> dict:
+    """``copies`` each of a symlink loop, a folder, a FIFO and a bad UTF-8 byte named like step files."""
+    import os
+
+    files: dict[str, Callable[[Path], None]] = {}
+    for i in range(copies):
+        base = 100 + 4 * i
+        files[f"{base}.jsonl"] = lambda p: os.symlink(p.name, p)
+        files[f"{base + 1}.jsonl"] = lambda p: p.mkdir()
+        files[f"{base + 2}.jsonl"] = lambda p: os.mkfifo(p)
+        files[f"{base + 3}.jsonl"] = lambda p: p.write_bytes(b'{"step": 1, "x": "\xff"}\n')
+    return followed(files)
+
+
+def slime_hook(samples: int) -> dict:
+    """``log_rollout`` with ``samples`` slime samples (dicts, 2 turns' worth of tokens each): the time the
+    trainer's call takes, then the conversion thread's (issue 38: 100,000 blocked the trainer 5.8 s)."""
+    import os
+    from types import SimpleNamespace
+
+    from collapse_monitor.integrations import slime
+
+    os.environ.update(COLLAPSE_MONITOR_URL="http://127.0.0.1:9", COLLAPSE_MONITOR_RUN="bench-slime")
+    os.environ["COLLAPSE_MONITOR_TOKEN_IDS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["COLLAPSE_MONITOR_SPOOL_DIR"] = tmp
+        rollout = [
+            {
+                "group_index": i // 8,
+                "index": i,
+                "tokens": list(range(96)),
+                "response_length": 32,
+                "reward": float(i % 2),
+            }
+            for i in range(samples)
+        ]
+        args = SimpleNamespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
+        slime.log_rollout(0, args, [])  # the first call starts the run's monitor (its thread, its spool)
+        slime.wait_for_conversions(60)
+        start = time.perf_counter()
+        slime.log_rollout(1, args, rollout)
+        hook = time.perf_counter() - start
+        slime.wait_for_conversions(600)
+        converted = time.perf_counter() - start
+        for monitor in slime._monitors.values():
+            monitor.close(timeout=0)
+        slime._monitors.clear()
+    return {"hook_ms": round(hook * 1000, 2), "converted_seconds": round(converted, 2)}
+
+
 VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
     # name: (unit, measure, sizes, small sizes, a size the service refuses)
     "think_tags": ("<think> per response", think_tags, [5000, 10_000, 20_000], [1000, 2000, 4000], None),
@@ -804,6 +903,11 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "storage_quota": ("3.1 MB batches", storage_quota, [8, 16, 32], [4, 8, 12], None),
     # Issue 38 (service side): a hanging vLLM scorer beside a healthy run on one worker.
     "hanging_scorer": ("batches of the healthy run", hanging_scorer, [40], [15], None),
+    # Issue 38, client side (follow and the slime hook; no server).
+    "follow_nuls": ("MB of NULs", follow_nuls, [64, 512, 2048], [8, 64, 128], None),
+    "follow_deep_json": ("levels of nesting", follow_deep_json, [1000, 10_000, 100_000], [1000, 10_000], None),
+    "follow_unreadable": ("copies of 4 unreadable files", follow_unreadable, [1, 10, 100], [1, 10], None),
+    "slime_hook": ("samples", slime_hook, [1000, 10_000, 100_000], [1000, 10_000], None),
 }
 
 

@@ -227,12 +227,17 @@ def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     fmt = file_format(args.file) if args.format == "auto" else args.format
     step = args.step if args.step is not None else step_of_file(args.file, fmt)
     kind = {"trl": "parquet", "slime": "pt"}.get(fmt, "jsonl")
+    if not args.file.is_file():  # a FIFO would block the open until a writer comes; a folder cannot be read
+        monitor.close(timeout=0)
+        raise UsageError(f"{args.file} is not a regular file (a folder, a FIFO, a missing or looping symlink)")
     try:
         batches = read_unit(StepUnit(args.file.name, step, (args.file,), kind), reading)
     except OSError as e:
         raise UsageError(f"cannot read {args.file}: {e}") from e
     except (DumpError, CompletionFileError, MissingExtraError, UntrustedDumpError) as e:
         raise UsageError(str(e)) from e
+    except (ValueError, RecursionError) as e:  # a reader's own decoding error; nesting past what Python parses
+        raise UsageError(f"cannot read {args.file}: {e or type(e).__name__}") from e
     batches = {s: trajectories for s, trajectories in batches.items() if trajectories}
     if not batches:
         raise UsageError(f"{args.file}: no batch in it")

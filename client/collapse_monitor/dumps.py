@@ -42,17 +42,37 @@ class DumpError(ValueError):
     """A dump line that is not JSON or fits none of the formats; the message names file and line."""
 
 
-def read_jsonl(path: Path) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line."""
+# A line past the service's body limit (32 MiB by default) could never be sent; reading stops there so a
+# file with no newline (2 GB of NULs) costs one line's bytes, not the file's.
+MAX_LINE_BYTES = 32 * 1024 * 1024
+
+
+def read_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[tuple[int, dict[str, Any]]]:
+    """(line number, object) of every non-blank line.
+
+    Raises:
+        DumpError: a line is longer than ``max_line_bytes``, not UTF-8, not JSON, nested too deep to
+            parse, or not an object.
+    """
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), 1):
+            if len(raw) > max_line_bytes:
+                raise DumpError(
+                    f"{path}:{number}: a line longer than {max_line_bytes} bytes (the service's body limit)"
+                )
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DumpError(f"{path}:{number}: not UTF-8: {e}") from e
             if not line.strip():
                 continue
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DumpError(f"{path}:{number}: not JSON: {e}") from e
+            except RecursionError as e:
+                raise DumpError(f"{path}:{number}: JSON nested too deep to read") from e
             if not isinstance(value, dict):
                 raise DumpError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
             rows.append((number, value))

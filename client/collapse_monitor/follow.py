@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import subprocess
 import threading
 import time
@@ -103,8 +104,11 @@ class Follower:
         found, stats = [], []
         for unit in self.units():
             try:
-                stats.append(_stat(unit))
+                stats.append(_stat(unit, self.folder))
             except FileNotFoundError:  # removed since listed (a trainer rotating its dumps): gone for us too
+                continue
+            except UnreadableError as e:
+                self._skip_unreadable(unit, e)
                 continue
             found.append(unit)
         ready = []
@@ -116,29 +120,53 @@ class Follower:
             # step is left from before a resume and proves nothing.
             moved_on = any(later >= mtime_ns for _, later in stats[position + 1 :])
             rested = now - mtime_ns / 1e9 >= self.settle_seconds
-            if self.found == "areal":
-                complete = rested  # stragglers of a version land after the next version began
-            elif unit.kind == "parquet":
-                complete = moved_on or _has_parquet_footer(unit.paths[0])
-            elif unit.kind == "pt":
-                complete = (moved_on or rested) and _ends_with_zip_directory(unit.paths[0])
-            else:
-                complete = moved_on or (rested and all(_ends_with_newline(p) for p in unit.paths))
+            try:
+                complete = self._is_complete(unit, moved_on, rested)
+            except OSError as e:  # unreadable (permissions) or removed since its stat
+                self._skip(unit, (size, mtime_ns), str(e))
+                continue
             if not complete:
                 break  # still being written; the steps after it wait too, to keep step order
             ready.append(unit)
         return ready
 
+    def _is_complete(self, unit: StepUnit, moved_on: bool, rested: bool) -> bool:
+        if self.found == "areal":
+            return rested  # stragglers of a version land after the next version began
+        if unit.kind == "parquet":
+            return moved_on or _has_parquet_footer(unit.paths[0])
+        if unit.kind == "pt":
+            return (moved_on or rested) and _ends_with_zip_directory(unit.paths[0])
+        return moved_on or (rested and all(_ends_with_newline(p) for p in unit.paths))
+
+    def _skip(self, unit: StepUnit, identity: tuple[int, int], reason: str) -> None:
+        """Records a step that cannot be read, progress saved first, so a restart passes it by (until it changes)."""
+        logger.error("collapse-monitor: skipped %s: %s", unit.key, reason)
+        self.done[unit.key] = {"size": identity[0], "mtime_ns": identity[1], "error": reason}
+        self._save_state()
+
+    def _skip_unreadable(self, unit: StepUnit, error: UnreadableError) -> None:
+        record = self.done.get(unit.key)
+        if record is not None and (record["size"], record["mtime_ns"]) == error.identity:
+            return  # skipped already, and unchanged
+        self._skip(unit, error.identity, str(error))
+
     def send(self, unit: StepUnit) -> list[int]:
-        """Logs the batches of one step; returns their steps. Malformed steps are reported and skipped."""
-        size, mtime_ns = _stat(unit)
+        """Logs the batches of one step; returns their steps. Steps that cannot be read are reported and skipped."""
+        try:
+            size, mtime_ns = _stat(unit, self.folder)
+        except FileNotFoundError:
+            return []
+        except UnreadableError as e:
+            self._skip_unreadable(unit, e)
+            return []
         record: dict[str, Any] = {"size": size, "mtime_ns": mtime_ns}
         try:
             batches = read_unit(unit, self.reading)
-        except (DumpError, CompletionFileError, OSError) as e:
-            logger.error("collapse-monitor: skipped %s: %s", unit.key, e)
-            self.done[unit.key] = {**record, "error": str(e)}
-            self._save_state()
+        except (DumpError, CompletionFileError, OSError, ValueError, RecursionError, MemoryError) as e:
+            # ValueError: a bad byte anywhere a reader decodes text; RecursionError: nesting past what
+            # Python parses; MemoryError: a file far past what this machine holds. None may end the loop.
+            self._skip(unit, (size, mtime_ns), str(e) or type(e).__name__)
             return []
         empty = [step for step, trajectories in batches.items() if not trajectories]
         if empty:
@@ -227,17 +255,55 @@ class AlertHook:
             log("collapse-monitor: the alert command exited with %d", done.returncode)
 
 
-def _stat(unit: StepUnit) -> tuple[int, int]:
-    """Total size and newest modification time of a step's files."""
-    stats = [p.stat() for p in unit.paths]
+class UnreadableError(OSError):
+    """A step's path is no regular file inside the followed folder (a folder, a FIFO, a symlink loop or
+    one pointing outside): never opened, since opening a FIFO blocks until a writer comes."""
+
+    def __init__(self, message: str, identity: tuple[int, int]) -> None:
+        super().__init__(message)
+        self.identity = identity  # the path's own size and mtime (lstat): a change lets it be tried again
+
+
+def _stat(unit: StepUnit, folder: Path) -> tuple[int, int]:
+    """Total size and newest modification time of a step's files, once each is known to be a regular file.
+
+    Raises:
+        FileNotFoundError: a file is gone.
+        UnreadableError: a file is not a regular file in ``folder`` (symlinks are followed only inside it).
+    """
+    inside = os.path.realpath(folder)
+    stats = []
+    for path in unit.paths:
+        own = os.lstat(path)
+        identity = (own.st_size, own.st_mtime_ns)
+        st = own
+        if stat.S_ISLNK(own.st_mode):
+            target = os.path.realpath(path)
+            if os.path.commonpath([inside, target]) != inside:
+                raise UnreadableError(f"{path} is a symlink out of {folder} (to {target}); not followed", identity)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise UnreadableError(f"{path} is a dangling symlink", identity) from None
+            except OSError as e:  # ELOOP: a symlink loop
+                raise UnreadableError(f"{path} is a symlink that cannot be followed: {e.strerror}", identity) from e
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "special"
+            raise UnreadableError(f"{path} is not a regular file ({kind}); only regular files are read", identity)
+        stats.append(st)
     return sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)
 
 
 def _order(unit: StepUnit) -> tuple[int, float, str]:
-    # steps named by their paths first, in step order; others in order of modification
+    # steps named by their paths first, in step order; others in order of modification (lstat: never
+    # follows a link, and never fails on one that loops)
     if unit.step is not None:
         return (0, float(unit.step), unit.key)
-    return (1, _stat(unit)[1] / 1e9, unit.key)
+    try:
+        mtime_ns = max(os.lstat(p).st_mtime_ns for p in unit.paths)
+    except FileNotFoundError:
+        mtime_ns = 0
+    return (1, mtime_ns / 1e9, unit.key)
 
 
 def _content_key(batches: dict[int, list[Any]]) -> str:

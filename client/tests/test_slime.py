@@ -11,8 +11,9 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from trainer_writers import Slime, canonical
@@ -78,6 +79,7 @@ def test_token_ids_are_sent_as_the_policy_saw_them(service, run_name, tmp_path, 
     samples = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir)).samples(7)
     args = argparse.Namespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key="acc")
     assert slime.log_rollout(7, args, samples, None, 0.1) is False
+    assert slime.wait_for_conversions(60)
     assert slime._monitors[(service.url, run_name)].flush(30)
     [batch] = service.payloads(run_name)
     sent = {(t["group_id"], t["reward"]): t["turns"] for t in batch["trajectories"]}
@@ -106,6 +108,7 @@ def test_an_unreachable_service_never_holds_the_rollout_and_loses_nothing(
     trainer = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir))
     args = argparse.Namespace(hf_checkpoint=str(policy_dir), save=None, wandb_group=None, reward_key="acc")
     assert slime.log_rollout(1, args, trainer.samples(1)) is False  # returns: the rollout loop goes on
+    assert slime.wait_for_conversions(60)
     monitor = slime._monitors[("http://127.0.0.1:9", run_name)]
     assert not monitor.close(timeout=1)  # undelivered: left in the spool
     assert monitor.stats().spooled == 1
@@ -130,6 +133,58 @@ def test_without_a_url_or_with_unreadable_samples_the_trainer_goes_on(tmp_path, 
     monkeypatch.setenv("COLLAPSE_MONITOR_SPOOL_DIR", str(tmp_path / "spool"))
     bad = [{"group_index": 0, "index": 0, "tokens": [1, 2], "response_length": 1, "reward": {"acc": 1.0}}]
     assert slime.log_rollout(3, args, bad) is False  # a dict reward without --reward-key: counted, not raised
+    assert slime.wait_for_conversions(60)
     monitor = slime._monitors[("http://127.0.0.1:9", "g")]
     assert monitor.stats().invalid == 1
     assert "name the key to read (reward_key)" in str(monitor.stats().last_error)
+
+
+class Recursive:
+    """A sample whose every attribute is itself: reading it recurses without end."""
+
+    def __getattr__(self, name: str) -> Recursive:
+        return self
+
+
+class Raising:
+    @property
+    def tokens(self) -> list[int]:
+        raise RuntimeError("a property that raises")
+
+
+@pytest.mark.usefixtures("fresh_monitors")
+def test_odd_samples_and_arguments_are_counted_never_raised_into_the_trainer(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLAPSE_MONITOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("COLLAPSE_MONITOR_SPOOL_DIR", str(tmp_path / "spool"))
+    args = argparse.Namespace(hf_checkpoint=None, save=None, wandb_group="odd", reward_key=None)
+    nested: dict = {}
+    nested["group_index"] = nested
+    odd: list[list[Any]] = [
+        [object()],
+        [Recursive()],
+        [Raising()],
+        [nested],
+        [{"tokens": "not ids", "response_length": "x"}],
+    ]
+    for rollout_id, samples in enumerate(odd):
+        assert slime.log_rollout(rollout_id, args, samples) is False
+    # not even a list: logged, not raised
+    assert slime.log_rollout(9, args, 12345) is False  # type: ignore[arg-type]
+    assert slime.log_rollout(10, object(), []) is False
+    assert slime.wait_for_conversions(60)
+    assert slime._monitors[("http://127.0.0.1:9", "odd")].stats().invalid == len(odd)
+
+
+@pytest.mark.usefixtures("fresh_monitors")
+def test_a_rollout_of_100000_samples_returns_at_once(tmp_path, monkeypatch, policy_dir):
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("COLLAPSE_MONITOR_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("COLLAPSE_MONITOR_SPOOL_DIR", str(tmp_path / "spool"))
+    one = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir)).samples(1)
+    samples = (one * (100_000 // len(one) + 1))[:100_000]
+    args = argparse.Namespace(hf_checkpoint=str(policy_dir), save=None, wandb_group="big", reward_key="acc")
+    started = time.perf_counter()
+    assert slime.log_rollout(1, args, samples) is False
+    assert time.perf_counter() - started < 2.0  # generous: the figure (bench/abuse.py) is a few ms
+    assert slime.wait_for_conversions(300)
