@@ -49,6 +49,8 @@ ZIP_END = b"PK\x05\x06"  # the zip end-of-directory record, which torch.save wri
 
 
 def default_state_path(folder: Path, run: str) -> Path:
+    if folder.suffix == ".db":  # a Trackio project: its state beside it, named after it
+        return folder.with_name(f".{folder.stem}.collapse-monitor-{run}.state.json")
     return folder / f".collapse-monitor-{run}.state.json"
 
 
@@ -120,6 +122,8 @@ class Follower:
                 complete = rested  # stragglers of a version land after the next version began
             elif unit.kind == "parquet":
                 complete = moved_on or _has_parquet_footer(unit.paths[0])
+            elif unit.kind == "trackio":
+                complete = moved_on or rested  # a step's rows are in once a later step's are, or all went quiet
             elif unit.kind == "pt":
                 complete = (moved_on or rested) and _ends_with_zip_directory(unit.paths[0])
             else:
@@ -228,7 +232,9 @@ class AlertHook:
 
 
 def _stat(unit: StepUnit) -> tuple[int, int]:
-    """Total size and newest modification time of a step's files."""
+    """Total size and newest modification time of a step's files (Trackio: its rows and newest row's time)."""
+    if unit.version is not None:
+        return unit.version
     stats = [p.stat() for p in unit.paths]
     return sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats)
 
