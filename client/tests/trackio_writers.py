@@ -50,7 +50,7 @@ def write_verl(project: str, steps: list[int]) -> None:
     class Loop:
         tokenizer = _Chars()
 
-        @rollout_trace_op
+        @rollout_trace_op  # type: ignore[untyped-decorator]  # verl's decorator carries no types
         async def run(self, _sampling_params: dict, **kwargs) -> dict:
             text, answer = kwargs["raw_prompt"][-1]["content"], kwargs["answer"]
             return {"prompt_ids": [ord(c) for c in text], "response_ids": [ord(c) for c in answer], **kwargs["out"]}
