@@ -2,10 +2,12 @@
 
     collapse-monitor-client send FILE --run NAME [--url URL] [--step N] [--format F]
         send the batches of one step file: JSONL (batches, trajectories with a step, verl, AReaL,
-        ROLL or prime-rl lines), a TRL completion file (.parquet) or a slime dump (.pt)
+        ROLL or prime-rl lines), a TRL completion file (.parquet), a slime dump (.pt) or a Trackio
+        project (.db, or its name with --format trackio: every step of its rollout traces)
     collapse-monitor-client follow DIR --run NAME [--url URL] [--state FILE] [--once] [--format F]
         send each new step a trainer writes under DIR (formats.py: verl, TRL, prime-rl, AReaL,
-        ROLL, slime); --stop-file / --on-alert act on the run's alerts
+        ROLL, slime; DIR a Trackio project .db or, with --format trackio, its name: verl's and TRL's
+        rollout traces); --stop-file / --on-alert act on the run's alerts
 
 ``--url`` defaults to ``$COLLAPSE_MONITOR_URL`` or http://127.0.0.1:8000, ``--token`` to
 ``$COLLAPSE_MONITOR_TOKEN``. Batches that cannot be
@@ -41,9 +43,11 @@ from collapse_monitor.formats import (
     file_format,
     read_unit,
     step_of_file,
+    units,
 )
 from collapse_monitor.monitor import Monitor
 from collapse_monitor.slime_samples import tokenizer_decode
+from collapse_monitor.trackio_traces import is_trackio_database, project_database
 from collapse_monitor.version import __version__
 
 EXIT_NOT_DELIVERED = 1
@@ -224,6 +228,8 @@ def _monitor(args: argparse.Namespace) -> Monitor:
 def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     reading = _reading(args)
     monitor = _monitor(args)
+    if args.format == "trackio":
+        args.file = project_database(str(args.file))
     fmt = file_format(args.file) if args.format == "auto" else args.format
     step = args.step if args.step is not None else step_of_file(args.file, fmt)
     kind = {"trl": "parquet", "slime": "pt"}.get(fmt, "jsonl")
@@ -231,7 +237,10 @@ def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         monitor.close(timeout=0)
         raise UsageError(f"{args.file} is not a regular file (a folder, a FIFO, a missing or looping symlink)")
     try:
-        batches = read_unit(StepUnit(args.file.name, step, (args.file,), kind), reading)
+        if fmt == "trackio":  # a project holds every step: all are sent
+            batches = {s: t for unit in units(args.file, fmt) for s, t in read_unit(unit, reading).items()}
+        else:
+            batches = read_unit(StepUnit(args.file.name, step, (args.file,), kind), reading)
     except OSError as e:
         raise UsageError(f"cannot read {args.file}: {e}") from e
     except (DumpError, CompletionFileError, MissingExtraError, UntrustedDumpError) as e:
@@ -250,7 +259,9 @@ def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
 
 
 def _run_follow(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
-    if args.folder.exists() and not args.folder.is_dir():
+    if args.format == "trackio":
+        args.folder = project_database(str(args.folder))
+    if args.folder.exists() and not args.folder.is_dir() and not is_trackio_database(args.folder):
         raise UsageError(f"{args.folder} is not a folder")
     if not args.folder.exists():
         logging.getLogger("collapse_monitor").warning(

@@ -50,6 +50,8 @@ ZIP_END = b"PK\x05\x06"  # the zip end-of-directory record, which torch.save wri
 
 
 def default_state_path(folder: Path, run: str) -> Path:
+    if folder.suffix == ".db":  # a Trackio project: its state beside it, named after it
+        return folder.with_name(f".{folder.stem}.collapse-monitor-{run}.state.json")
     return folder / f".collapse-monitor-{run}.state.json"
 
 
@@ -135,6 +137,8 @@ class Follower:
             return rested  # stragglers of a version land after the next version began
         if unit.kind == "parquet":
             return moved_on or _has_parquet_footer(unit.paths[0])
+        if unit.kind == "trackio":
+            return moved_on or rested  # a step's rows are in once a later step's are, or all went quiet
         if unit.kind == "pt":
             return (moved_on or rested) and _ends_with_zip_directory(unit.paths[0])
         return moved_on or (rested and all(_ends_with_newline(p) for p in unit.paths))
@@ -265,12 +269,15 @@ class UnreadableError(OSError):
 
 
 def _stat(unit: StepUnit, folder: Path) -> tuple[int, int]:
-    """Total size and newest modification time of a step's files, once each is known to be a regular file.
+    """Total size and newest modification time of a step's files, once each is known to be a regular file
+    (Trackio: the step's rows and its newest row's time).
 
     Raises:
         FileNotFoundError: a file is gone.
         UnreadableError: a file is not a regular file in ``folder`` (symlinks are followed only inside it).
     """
+    if unit.version is not None:
+        return unit.version
     inside = os.path.realpath(folder)
     stats = []
     for path in unit.paths:

@@ -8,6 +8,7 @@
 | areal    | ``{fileroot}/{experiment}/{trial}``: ``DIR[/rollout]/{version}/{task_id}.jsonl`` | a folder  |
 | roll     | ``rollout_dump_dir``: ``DIR/rollout_dump_data.step_{N}.jsonl``            | a file           |
 | slime    | ``--dump-details``: ``DIR[/rollout_data]/{rollout_id}.pt`` (miles too)    | a file           |
+| trackio  | verl/TRL rollout traces: ``DIR`` is the project's ``{name}.db`` (``trackio_traces``) | a run's step |
 
 ``detect`` names the format a folder holds (None while it holds no step file yet); the more
 specific layouts are tried first, since the verl layout takes any ``*.jsonl``. Evaluation output
@@ -29,9 +30,10 @@ from collapse_monitor.conversations import Render
 from collapse_monitor.dumps import DumpError, batches_of, read_jsonl
 from collapse_monitor.slime_samples import Decode, read_dump
 from collapse_monitor.slime_samples import trajectories as slime_trajectories
+from collapse_monitor.trackio_traces import is_trackio_database, step_trajectories, step_versions
 
-FORMATS = ("verl", "trl", "prime-rl", "areal", "roll", "slime")
-DETECTION_ORDER = ("roll", "prime-rl", "areal", "slime", "trl", "verl")
+FORMATS = ("verl", "trl", "prime-rl", "areal", "roll", "slime", "trackio")
+DETECTION_ORDER = ("trackio", "roll", "prime-rl", "areal", "slime", "trl", "verl")
 PRIME_RL_TRACES = ("train/effective", "train/all", "eval/effective", "eval/all")
 
 ROLL_FILE = re.compile(r"^rollout_dump_data\.step_(\d+)\.jsonl$")
@@ -45,11 +47,17 @@ class StepUnit:
     key: str  # the path relative to the followed folder: the state file's name for it
     step: int | None  # the step its path names; None: the content says (or the order of writing)
     paths: tuple[Path, ...]
-    kind: str  # how it is read: "jsonl", "parquet" or "pt"
+    kind: str  # how it is read: "jsonl", "parquet", "pt" or "trackio"
+    version: tuple[int, int] | None = None  # trackio: (rows, newest row ns), in place of the file's size and time
 
 
 def units(folder: Path, fmt: str, traces: str = "train/effective") -> list[StepUnit]:
     """The step units of ``fmt`` there are now under ``folder`` (unordered)."""
+    if fmt == "trackio":
+        if not is_trackio_database(folder):
+            return []
+        versions = step_versions(folder)
+        return [StepUnit(f"{run}/{n}", n, (folder,), "trackio", version) for (run, n), version in versions.items()]
     if fmt == "verl":
         return [_file(folder, p, int(p.stem) if p.stem.isdigit() else None, "jsonl") for p in folder.glob("*.jsonl")]
     if fmt == "trl":
@@ -89,6 +97,8 @@ def file_format(path: Path) -> str:
     """The format of one step file, from its name and place (``send``)."""
     if path.suffix == ".parquet":
         return "trl"
+    if is_trackio_database(path):
+        return "trackio"
     if path.suffix == ".pt":
         return "slime"
     if ROLL_FILE.match(path.name):
@@ -143,6 +153,9 @@ class UntrustedDumpError(ValueError):
 
 def read_unit(unit: StepUnit, reading: Reading) -> dict[int, list[Any]]:
     """Trajectories per step of one step unit; raises DumpError, CompletionFileError, MissingExtraError."""
+    if unit.kind == "trackio":
+        run, number = unit.key.rsplit("/", 1)
+        return {int(number): step_trajectories(unit.paths[0], run, int(number), reading.render)}
     if unit.kind == "parquet":
         return batches_of_file(unit.paths[0], reading.reward_weights, reading.render)
     if unit.kind == "pt":

@@ -18,6 +18,11 @@ checkpoint (when ``trainer.save_freq > 0``), validates and returns, as at its pl
 pending; ``if alerts.should_save(self.global_steps): self._save_checkpoint()`` after the actor
 update takes it.
 
+To see the service's diagnostics in verl's own tracker (``trainer.logger``: wandb, tensorboard,
+trackio ...): ``scored = ScoredFigures(monitor).start()`` before the loop (``collapse_monitor.trackers``),
+and ``merge_newest(scored, metrics)`` right before ``logger.log(data=metrics, step=self.global_steps)``;
+the newest scored step's figures land at the current step, ``collapse/step`` naming the step they describe.
+
 In RAGEN's ``RayAgentTrainer.fit`` (ragen/trainer/agent_trainer.py) the second line goes right
 after ``batch = self.agent_proxy.rollout(batch, val=False)``, where RAGEN computes its own collapse
 metrics: before its rollout filter, so the service sees (and advises on) every group.

@@ -1,0 +1,94 @@
+"""The service's scored figures, fetched off the training thread, for the trainer's own tracker.
+
+Scoring lags training: the figures of step ``s`` are there some steps later. ``ScoredFigures``
+polls the run's metric points on a daemon thread of its own; ``take()`` hands the training thread,
+without waiting on the network, the figures of the steps scored since the last call, each under
+``collapse/`` and with the step it belongs to. When the service is down the poll fails, is logged
+once, and ``take()`` returns nothing: the trainer's own logging never waits or breaks.
+
+Must not import the trainers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from collapse_monitor.monitor import Monitor
+
+logger = logging.getLogger("collapse_monitor")
+
+PREFIX = "collapse/"
+NAMES = ("mi_estimate", "retrieval_chance_corrected", "conditional_entropy_est")
+STATE_CODES = {"resolved": 0.0, "pending": 1.0, "firing": 2.0}  # an alert state as a plottable number
+
+
+@dataclass(eq=False)
+class ScoredFigures:
+    """Polls ``monitor``'s scored figures every ``poll_seconds`` on a daemon thread (``start()``)."""
+
+    monitor: Monitor
+    poll_seconds: float = 10.0
+    sampler: str | None = None  # None: every sampler the service ran, each as collapse/<sampler>/<name>
+    _new: dict[int, dict[str, float]] = field(default_factory=dict)
+    _next_step: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _failing: bool = False
+
+    def start(self) -> ScoredFigures:
+        threading.Thread(target=self._loop, name="collapse-monitor-figures", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def take(self) -> dict[int, dict[str, float]]:
+        """The figures of the steps scored since the last call, ``{step: {"collapse/...": value}}``, in step order."""
+        with self._lock:
+            new, self._new = self._new, {}
+        return dict(sorted(new.items()))
+
+    def poll(self) -> None:
+        """One fetch (what the thread does every ``poll_seconds``); errors are logged, never raised."""
+        try:
+            points = self.monitor.metrics(NAMES, sampler=self.sampler, from_step=self._next_step)
+            alerts = self.monitor.alerts()
+        except Exception as e:  # a tracker feed must never take the trainer down
+            if not self._failing:
+                logger.warning("collapse-monitor: scored figures not fetched (%s); retrying", e)
+            self._failing = True
+            return
+        self._failing = False
+        found: dict[int, dict[str, float]] = {}
+        for point in points:
+            name = str(point["name"]) if self.sampler else f"{point['sampler']}/{point['name']}"
+            found.setdefault(int(point["step"]), {})[PREFIX + name] = float(point["value"])
+        for alert in alerts:  # the state an alert reached, at the step it reached it
+            step = alert.get("step")
+            if step is not None and int(step) in found and alert.get("state") in STATE_CODES:
+                found[int(step)][f"{PREFIX}alert/{alert['rule']}"] = STATE_CODES[alert["state"]]
+        if found:
+            with self._lock:
+                for step, figures in found.items():
+                    self._new.setdefault(step, {}).update(figures)
+            self._next_step = max(found) + 1  # figures arrive in step order: never send a step twice
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            self.poll()
+
+
+def merge_newest(figures: ScoredFigures, metrics: dict[str, Any]) -> None:
+    """Puts the newest scored step's figures into ``metrics`` (and ``collapse/step``: the step they belong to).
+
+    For loggers that take one step per call (verl's ``Tracking.log``): the figures land at the
+    current step, and ``collapse/step`` says which training step they describe.
+    """
+    new = figures.take()
+    if new:
+        step, newest = max(new.items())
+        metrics.update(newest)
+        metrics[f"{PREFIX}step"] = float(step)
