@@ -40,7 +40,7 @@ from collapse_monitor.alerts import AlertEvent
 from collapse_monitor.completion_files import CompletionFileError
 from collapse_monitor.completion_files import file_step as trl_file_step
 from collapse_monitor.dumps import DumpError
-from collapse_monitor.formats import FORMATS, Reading, StepUnit, detect, read_unit, units
+from collapse_monitor.formats import FORMATS, Reading, StepUnit, UntrustedDumpError, detect, read_unit, units
 from collapse_monitor.monitor import Monitor
 
 logger = logging.getLogger("collapse_monitor")
@@ -167,6 +167,8 @@ class Follower:
         record: dict[str, Any] = {"size": size, "mtime_ns": mtime_ns}
         try:
             batches = read_unit(unit, self.reading)
+        except UntrustedDumpError:
+            raise  # the folder's setting, not this file: follow stops and says how to trust it
         except (DumpError, CompletionFileError, OSError, ValueError, RecursionError, MemoryError) as e:
             # ValueError: a bad byte anywhere a reader decodes text; RecursionError: nesting past what
             # Python parses; MemoryError: a file far past what this machine holds. None may end the loop.

@@ -17,7 +17,7 @@ from service.settings import VllmClientSettings, VllmEndpoint
 from tests.conftest import random_batch
 from tests.misbehaving_vllm import MisbehavingServer, misbehaving_server
 
-DEADLINE_SECONDS = 1.0
+DEADLINE_SECONDS = 5.0  # a try of a well-behaved answer must fit it on a busy machine (else it is retried)
 CAP_BYTES = 2**20
 # Generous: two tries of one deadline, the backoff between them, and a busy machine.
 WITHIN_SECONDS = 20.0
@@ -50,7 +50,7 @@ def test_a_server_answering_valid_log_probs_is_scored(server):
     ("mode", "cause"),
     [
         ("hang", r"ReadTimeout"),
-        ("drip", r"answer not complete within vllm_timeout_seconds=1"),
+        ("drip", r"answer not complete within vllm_timeout_seconds=5"),
         ("5xx", r"503: engine is restarting"),
         ("reset", r"(RemoteProtocolError|ReadError)"),
         ("html", r"200 that is not a JSON object: b'<html>"),
