@@ -26,7 +26,9 @@ def closed_port() -> int:
         return port
 
 
-def test_a_batch_whose_vllm_server_is_down_goes_back_to_the_queue_uncounted(database_url, client_for, settings_for):
+def test_a_batch_whose_vllm_server_is_down_waits_with_its_error_then_fails_with_it_past_max_attempts(
+    database_url, client_for, settings_for
+):
     spec = f"vllm+http://127.0.0.1:{closed_port()}?model=m&tokenizer=tiny-random&dtype=float32"
     overrides = {"scorers": {"remote": spec}, "default_scorer": "remote", "vllm_retries": 0, "max_attempts": 1}
     client = client_for(database_url, embedded_worker=False, **overrides)
@@ -37,12 +39,18 @@ def test_a_batch_whose_vllm_server_is_down_goes_back_to_the_queue_uncounted(data
     sessions = make_sessions(engine)
     worker = Worker(sessions, settings, ScorerPool(settings))
     try:
-        for _ in range(2):  # past max_attempts=1, had the tries counted
-            assert worker.run_once() is True
-            with sessions() as session:
-                batch = session.get_one(Batch, batch_id)
-                assert (batch.status, batch.attempts, batch.error) == ("queued", 0, None)
-                assert not session.scalar(select(func.count()).where(MetricPoint.batch_id == batch_id))
+        assert worker.run_once() is True  # the try: put back, counted, with the scorer's error on it
+        with sessions() as session:
+            batch = session.get_one(Batch, batch_id)
+            assert (batch.status, batch.attempts) == ("queued", 1)
+            assert "scorer 'remote'" in (batch.error or "")
+        worker._scorers_down.clear()  # the breaker's back-off over: the next claim is past max_attempts
+        worker.run_once()  # fails the batch instead of claiming it
+        with sessions() as session:
+            batch = session.get_one(Batch, batch_id)
+            assert batch.status == "failed"
+            assert "giving up. The last try: scorer 'remote'" in (batch.error or "")
+            assert not session.scalar(select(func.count()).where(MetricPoint.batch_id == batch_id))
     finally:
         worker.close()
         engine.dispose()
