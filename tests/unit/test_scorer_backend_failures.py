@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -29,21 +30,30 @@ def server() -> Iterator[MisbehavingServer]:
         yield httpd
 
 
-def scorer_of(server: MisbehavingServer) -> VllmScorer:
+@contextmanager
+def scorer_of(server: MisbehavingServer, concurrency: int = 2) -> Iterator[VllmScorer]:
+    """Closed however the test ends, so no connection of it is left for a later test's garbage collection."""
     port = server.server_address[1]
     endpoint = VllmEndpoint.parse(f"vllm+http://127.0.0.1:{port}?model=m&tokenizer=t")
     assert endpoint is not None
     client = VllmClientSettings(
-        timeout_seconds=DEADLINE_SECONDS, concurrency=2, retries=1, request_tokens=64, max_answer_bytes=CAP_BYTES
+        timeout_seconds=DEADLINE_SECONDS,
+        concurrency=concurrency,
+        retries=1,
+        request_tokens=64,
+        max_answer_bytes=CAP_BYTES,
     )
-    return VllmScorer("big", endpoint, {i: i for i in range(64)}, client)
+    scorer = VllmScorer("big", endpoint, {i: i for i in range(64)}, client)
+    try:
+        yield scorer
+    finally:
+        scorer.close()
 
 
 def test_a_server_answering_valid_log_probs_is_scored(server):
-    scorer = scorer_of(server)
-    scores = scorer.score(random_batch(seed=1), ScoringConfig())
+    with scorer_of(server) as scorer:
+        scores = scorer.score(random_batch(seed=1), ScoringConfig())
     assert (scores.L_seq <= 0).all()
-    scorer.close()
 
 
 @pytest.mark.parametrize(
@@ -60,17 +70,18 @@ def test_a_server_answering_valid_log_probs_is_scored(server):
 )
 def test_a_server_that_gives_no_usable_answer_is_retried_then_reported_within_the_deadline(server, mode, cause):
     server.mode = mode
-    scorer = scorer_of(server)
     start = time.monotonic()
-    with pytest.raises(
-        ScorerUnavailable,
-        match=rf"scorer 'big': the vLLM server at http://127.0.0.1:\d+ did not "
-        rf"answer POST /v1/completions after 2 tries \({cause}",
+    with (
+        scorer_of(server) as scorer,
+        pytest.raises(
+            ScorerUnavailable,
+            match=rf"scorer 'big': the vLLM server at http://127.0.0.1:\d+ did not "
+            rf"answer POST /v1/completions after 2 tries \({cause}",
+        ),
     ):
         scorer.score(random_batch(seed=1), ScoringConfig())
     assert time.monotonic() - start < WITHIN_SECONDS
     assert server.tries >= 2  # retried: an outage, not the batch's fault
-    scorer.close()
 
 
 @pytest.mark.parametrize(
@@ -86,8 +97,10 @@ def test_a_server_that_gives_no_usable_answer_is_retried_then_reported_within_th
 )
 def test_an_answer_without_valid_log_probs_fails_the_batch_naming_the_backend(server, mode, message):
     server.mode = mode
-    scorer = scorer_of(server)
-    with pytest.raises(MalformedAnswer, match=rf"scorer 'big'.*({message})"):
+    # One request at a time: with two in flight, the second is sent before the first's answer fails the batch.
+    with (
+        scorer_of(server, concurrency=1) as scorer,
+        pytest.raises(MalformedAnswer, match=rf"scorer 'big'.*({message})"),
+    ):
         scorer.score(random_batch(seed=1), ScoringConfig())
     assert server.tries == 1 or mode == "malformed"  # not retried: the same answer would come again
-    scorer.close()

@@ -218,6 +218,7 @@ def test_the_step_figures_count_kept_groups_rows_and_the_spread_of_kept_and_drop
         "rollout/filter_kept_rows": 4.0,
         "rollout/chosen_in_group_reward_std": pytest.approx((math.sqrt(0.5) + math.sqrt(4.5)) / 2),
         "rollout/dropped_in_group_reward_std": 0.0,
+        "rollout/filter_skipped": 0.0,
     }
     # Not engaged: the step trained on every group, and nothing was dropped.
     idle = selection.figures(engaged=False)
