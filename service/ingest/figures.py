@@ -20,7 +20,7 @@ from service.schemas.inputs import FiguresAccepted, FiguresIn
 from service.storage import points, queue
 from service.storage.labels import TRAINER
 from service.storage.points import Point
-from service.storage.runs import current_segment
+from service.storage.runs import current_segment, lock_run
 from service.storage.tables import Batch
 
 
@@ -37,8 +37,10 @@ def ingest_figures(sessions: sessionmaker[Session], run_name: str, payload: Figu
         NotFound: no such run, or no batch of the step (figures follow their step's batch).
         FigureConflict: a figure of the step stored already with another value (nothing is stored).
     """
-    with sessions.begin() as session:
+    with sessions.begin() as session:  # under the run's lock: concurrent posts of a step end in a replay or a 409
         run = require_run(session, run_name)
+        if lock_run(session, run.id) is None:  # deleted since the read above
+            raise NotFound(f"run {run_name!r} does not exist; create it with POST /v1/runs", field="run")
         batch = queue.newest_batch_of_step(session, run.id, payload.step, current_segment(session, run.id))
         if batch is None:
             raise NotFound(

@@ -21,13 +21,16 @@ def run_by_name(session: Session, name: str) -> Run | None:
 
 
 def list_runs(
-    session: Session, limit: int, after: str | None = None, names: Sequence[str] | None = None
+    session: Session, limit: int, after_id: int | None = None, names: Sequence[str] | None = None
 ) -> Sequence[Run]:
-    """Up to ``limit`` runs in creation order, from the one after the run called ``after`` (keyset pages),
-    only those called ``names`` when given. One query."""
+    """Up to ``limit`` runs in creation order, from the one after the run of id ``after_id`` (keyset pages),
+    only those called ``names`` when given. One query.
+
+    The key is the id, not the name: a run deleted after its name was looked up (a statement later, on
+    Postgres's read-committed snapshots) still orders the page instead of emptying it."""
     query = select(Run).order_by(Run.id).limit(limit)
-    if after is not None:
-        query = query.where(Run.id > select(Run.id).where(Run.name == after).scalar_subquery())
+    if after_id is not None:
+        query = query.where(Run.id > after_id)
     if names is not None:
         query = query.where(Run.name.in_(names))
     return session.scalars(query).all()
@@ -66,16 +69,10 @@ def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler:
     serialize on it: queued on Postgres, behind the one writer on SQLite), so the step compared
     with is the one the answer names.
     """
-    locked = session.execute(
-        update(Run)
-        .where(Run.id == run_id)
-        .values(segment=Run.segment)  # the lock, and the run as it stands under it
-        .returning(Run.segment, Run.claimed_step)
-        .execution_options(synchronize_session=False)
-    ).one_or_none()
+    locked = lock_run(session, run_id)
     if locked is None:
         return None
-    segment, claimed = int(locked[0]), locked[1]
+    segment, claimed = locked
     newest = claimed if matrix_sampler is None else newest_matrix_step(session, run_id, matrix_sampler)
     if newest is None or step >= newest:  # None: nothing taken yet (or the sampler's first figures)
         return Segment(segment)
@@ -86,6 +83,24 @@ def advance_segment(session: Session, run_id: int, step: int, *, matrix_sampler:
         .execution_options(synchronize_session=False)
     )
     return Segment(segment + 1, went_back_below=int(newest))
+
+
+def lock_run(session: Session, run_id: int) -> tuple[int, int | None] | None:
+    """Takes the run's row lock for the rest of the transaction; the run's (segment, claimed_step) under it, or
+    None when the run is gone.
+
+    Every write of a run's points from a request takes it first, so concurrent requests of a run serialize
+    (queued on Postgres, behind the one writer on SQLite) and each reads what the others committed: a race
+    ends in a replay or a 409, never in a duplicate key.
+    """
+    locked = session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(segment=Run.segment)  # the lock, and the run as it stands under it
+        .returning(Run.segment, Run.claimed_step)
+        .execution_options(synchronize_session=False)
+    ).one_or_none()
+    return None if locked is None else (int(locked[0]), locked[1])
 
 
 def _newest_of(sampler: str) -> Any:

@@ -4,6 +4,8 @@ the catalogue has them; never a sampler of the run's switch nor an input of the 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -213,3 +215,27 @@ def test_a_failed_step_evaluates_the_alerts_after_it_without_reading_the_trainer
     assert "all" in samplers  # the steps after the failed one were evaluated...
     assert "trainer" not in samplers  # ... and the trainer's figures were not read by the rules
     assert trainer_series(client) == {"loss": {1: 1.0, 2: 2.0, 4: 4.0}}
+
+
+def test_concurrent_posts_of_a_steps_figures_store_one_and_refuse_the_others_with_409(client):
+    """Conflicting posts racing each other (a trainer's retries, two ranks logging): one stored, the others a
+    409 naming the figure, never a 500; new names racing across steps all stored (their latest value once)."""
+    for step in range(1, 9):
+        post_batch(client, step)
+    with ThreadPoolExecutor(8) as pool:
+        same_step = list(
+            pool.map(lambda i: client.post("/v1/runs/r/figures", json={"step": 1, "figures": {"loss": i}}), range(16))
+        )
+        across_steps = list(
+            pool.map(
+                lambda step: client.post("/v1/runs/r/figures", json={"step": step, "figures": {"actor/entropy": step}}),
+                range(1, 9),
+            )
+        )
+    codes = sorted(r.status_code for r in same_step)
+    assert codes == [201] + [409] * 15, [r.text for r in same_step if r.status_code not in (201, 409)]
+    assert all(r.json()["field"] == "figures.loss" for r in same_step if r.status_code == 409)
+    assert [r.status_code for r in across_steps] == [201] * 8, [r.text for r in across_steps]
+    series = trainer_series(client)
+    assert len(series["loss"]) == 1
+    assert series["actor/entropy"] == {step: float(step) for step in range(1, 9)}
