@@ -30,6 +30,8 @@ def runs_overview(
     page links to the next one (``Link: <...>; rel="next"``)."""
     names = [n for n in runs.split(",") if n] if runs is not None else None
     access.read(names)
+    if after is not None:  # a cursor is a read of its run: another team's would tell that it exists and its age
+        access.read([after])
     with state.sessions() as session:
         page = overview_page(session, names, limit, after, points)
     if len(page) == limit:

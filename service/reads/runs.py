@@ -33,9 +33,10 @@ def runs_page(session: Session, limit: int, after: str | None, names: Sequence[s
     404 when ``after`` names no run (deleted since the previous page): a page that silently restarted
     from the first run would show some runs twice. A page of ``limit`` runs has a next one (maybe empty).
     """
-    if after is not None and runs.run_by_name(session, after) is None:
+    cursor = runs.run_by_name(session, after) if after is not None else None
+    if after is not None and cursor is None:
         raise NotFound(f"after must name a run, got {after!r} (deleted since the previous page?)", field="after")
-    return runs.list_runs(session, limit, after, names)
+    return runs.list_runs(session, limit, cursor.id if cursor is not None else None, names)
 
 
 def run_settings(run: Run) -> RunCreate:

@@ -354,6 +354,30 @@ def test_the_run_list_takes_the_same_few_queries_for_3_or_30_runs_a_page_at_a_ti
     assert client.get("/v1/runs", params={"after": "gone"}).status_code == 404
 
 
+def test_a_page_whose_cursor_run_is_deleted_while_it_is_read_still_lists_the_runs_after_it(client):
+    """Issue 38: on Postgres (a fresh snapshot each statement) the page read its cursor's run by name twice, and a
+    delete committed between the two answered an empty page without a next link: the trainer's poll stopped."""
+    for name in ("a", "b", "c"):
+        assert client.post("/v1/runs", json={"name": name}).status_code == 201
+    engine = client.app.state.monitor.engine
+    deleted: list[str] = []
+
+    def delete_cursor_once_read(_conn, _cursor, statement, *_):
+        if not deleted and statement.startswith("SELECT") and "runs.name =" in statement:  # the cursor's lookup
+            deleted.append("a")  # first: the delete below passes through this hook too
+            with engine.begin() as other:  # another connection: committed before the page's next statement
+                other.execute(Run.__table__.delete().where(Run.name == "a"))
+
+    event.listen(engine, "after_cursor_execute", delete_cursor_once_read)
+    try:
+        page = client.get("/v1/runs", params={"after": "a"})
+    finally:
+        event.remove(engine, "after_cursor_execute", delete_cursor_once_read)
+    assert deleted
+    assert (page.status_code, [r["name"] for r in page.json()]) == (200, ["b", "c"])
+    assert client.get("/v1/runs", params={"after": "a"}).status_code == 404  # a later page names it gone
+
+
 def test_the_overview_takes_five_queries_a_page_and_one_per_shown_sparkline_for_3_or_30_runs(client):
     """Issue 29 row 5: /v1/overview read every run at once (10,000 runs: 2-2.6 s and 5 MB a poll).
 

@@ -152,6 +152,12 @@ def test_reads_and_metrics_need_a_token_only_when_the_settings_say_so(database_u
     assert client.get("/v1/runs/team-a-1", headers=bearer(ingest)).status_code == 200
     assert client.get("/v1/runs/team-a-1/metrics", headers=bearer(ingest)).status_code == 200
     assert client.get("/v1/overview?runs=team-a-1", headers=bearer(ingest)).status_code == 200
+    # A page cursor naming another team's run answers as a direct read of it (which of the token's runs
+    # follow it would tell that the run exists and when it was made); a deleted one of its own, 404.
+    cursor = client.get("/v1/overview?runs=team-a-1&after=team-b-1", headers=bearer(ingest))
+    direct = client.get("/v1/runs/team-b-1", headers=bearer(ingest))
+    assert (cursor.status_code, cursor.json()) == (403, direct.json())
+    assert client.get("/v1/overview?runs=team-a-1&after=team-a-9", headers=bearer(ingest)).status_code == 404
     assert client.get("/v1/catalogue", headers=bearer(ingest)).status_code == 200
     refused = client.get("/v1/runs", headers=bearer(ingest))
     assert refused.status_code == 403
