@@ -14,7 +14,9 @@ An arm already recorded is skipped, so an interrupted ``train`` picks up where i
 every row, no step budget, the run defaults of ``POST /v1/runs``), exactly what a live run stores,
 and writes ``bench/real_run/zoo/scored/<arm>.json.gz``: per step every stored series and the
 cross-scoring matrices (L_seq, the head sums at ``HEADS``), so that signals can be compared
-offline without scoring again (``bench.real_run.signals``). An arm already scored is skipped.
+offline without scoring again (``bench.real_run.signals``). An arm already scored is skipped. A multi-turn arm
+(three samplers, ~170,000 tokens a step: ~9 min a step on one core) keeps each scored step in
+``scored/<arm>.partial.json.gz``, so an interrupted ``score`` resumes at the next step.
 """
 
 from __future__ import annotations
@@ -192,9 +194,37 @@ def score(arms: list[str], cache_dir: Path) -> None:
             steps = score_arm(arm, scorer, settings)
             with gzip.open(scored_path(arm), "wt") as f:
                 json.dump({"arm": arm, "steps": steps}, f)
+            partial_path(arm).unlink(missing_ok=True)
             print(json.dumps({"arm": arm, "scored_seconds": round(time.monotonic() - started, 1)}), flush=True)
         finally:
             lock.unlink()
+
+
+def partial_path(arm: str) -> Path:
+    """The steps of an arm scored so far, with the EMA states after them: a multi-turn arm takes hours on a CPU
+    (~9 min a step on one core), so ``score`` resumes from here (commit it to resume on another machine)."""
+    return records_of(arm) / "scored" / f"{arm}.partial.json.gz"
+
+
+def read_partial(arm: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(steps scored so far, EMA state per sampler after the last of them); nothing when none was kept."""
+    from scoring.estimators import EmaState
+
+    if not partial_path(arm).exists():
+        return [], {}
+    with gzip.open(partial_path(arm), "rt") as f:
+        kept = json.load(f)
+    return kept["steps"], {sampler: EmaState(**state) for sampler, state in kept["emas"].items()}
+
+
+def write_partial(arm: str, steps: list[dict[str, Any]], emas: dict[str, Any]) -> None:
+    """Keeps the steps scored so far (written whole, then renamed: a kill never leaves half a file)."""
+    from dataclasses import asdict
+
+    path = partial_path(arm)
+    with gzip.open(path.with_suffix(".tmp"), "wt") as f:
+        json.dump({"arm": arm, "steps": steps, "emas": {s: asdict(e) for s, e in emas.items()}}, f)
+    path.with_suffix(".tmp").replace(path)
 
 
 def run_snapshot(name: str, samplers: tuple[str, ...], num_samples: int | None) -> Any:
@@ -261,9 +291,11 @@ def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
             "reasonings": [list(z) for z in batch.reasonings],
         }
 
-    emas: dict[str, Any] = {}
-    steps = []
+    steps, emas = read_partial(arm)
+    done = {step["step"] for step in steps}
     for record in read_record(arm):
+        if record["step"] in done:
+            continue
         seen.clear()
         rollouts.score_with = recording  # type: ignore[assignment]  # the bench keeps what the service drops
         try:
@@ -287,6 +319,8 @@ def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
                 **({"samplers": by_sampler} if by_sampler else {}),
             }
         )
+        if is_agent(arm):  # hours a multi-turn arm: keep each step (a single-turn arm takes minutes)
+            write_partial(arm, steps, emas)
     return steps
 
 
