@@ -259,6 +259,33 @@ def unknown_keys(keys: int) -> dict:
         return refused(srv, "/v1/runs", body)
 
 
+def nested_items(where: str) -> Callable[[int], dict]:
+    """A body whose one nested field holds ``items`` bad items, one error each (issue 38: 1M stalled every
+    request 8-17 s and cost ~1 GB): a step's figures posted after its batch, a batch's figures, or one turn's
+    prompt_token_ids (``true`` for a token id)."""
+
+    def measure(items: int) -> dict:
+        figures = b'{"figures": {' + b",".join(b'"f%d": true' % i for i in range(items)) + b"}"
+        trues = b",".join([b"true"] * items)
+        turn = b'{"prompt_token_ids": [' + trues + b'], "response": "r"}'
+        step1 = b'{"step": 1, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"prompt": "p", "response": "r"}]}]'
+        bodies = {
+            "figures_post": (b'{"step": 1, ' + figures[1:], "/v1/runs/r/figures"),
+            "batch_figures": (step1 + b", " + figures[1:], "/v1/runs/r/batches"),
+            "token_ids": (
+                b'{"step": 2, "trajectories": [{"group_id": 0, "reward": 0, "turns": [' + turn + b"]}]}",
+                "/v1/runs/r/batches",
+            ),
+        }
+        body, path = bodies[where]
+        with server() as srv:
+            httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
+            httpx.post(srv.base + "/v1/runs/r/batches", content=step1 + b"}", headers=JSON, timeout=60)
+            return refused(srv, path, body)
+
+    return measure
+
+
 def answered(srv: Server, request: Callable[[], httpx.Response]) -> dict:
     """``measured``, plus the answer's size."""
     answer: list[httpx.Response] = []
@@ -903,6 +930,10 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "storage_quota": ("3.1 MB batches", storage_quota, [8, 16, 32], [4, 8, 12], None),
     # Issue 38 (service side): a hanging vLLM scorer beside a healthy run on one worker.
     "hanging_scorer": ("batches of the healthy run", hanging_scorer, [40], [15], None),
+    # Issue 38 item 2: a million bad items nested in one field of a body within every size limit.
+    "figures_post_trues": ("bad figures", nested_items("figures_post"), [10_000, 1_000_000], [1000, 100_000], None),
+    "batch_figures_trues": ("bad figures", nested_items("batch_figures"), [10_000, 1_000_000], [1000, 100_000], None),
+    "token_id_trues": ("bad token ids", nested_items("token_ids"), [10_000, 1_000_000], [1000, 100_000], None),
     # Issue 38, client side (follow and the slime hook; no server).
     "follow_nuls": ("MB of NULs", follow_nuls, [64, 512, 2048], [8, 64, 128], None),
     "follow_deep_json": ("levels of nesting", follow_deep_json, [1000, 10_000, 100_000], [1000, 10_000], None),

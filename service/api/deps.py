@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from service.access import Access
-from service.api.bodies import ParsedRequest, checked_text, parse_body
+from service.api.bodies import ParsedRequest, check_body_bytes, checked_text, parse_body
 from service.api.state import AppState
 
 
@@ -108,6 +108,8 @@ class AccessFirst(APIRoute):
             await run_in_threadpool(_run_checks, checks, _access(request), request.path_params)
             if not _is_json(request):
                 return await handler(request)  # FastAPI refuses it without parsing it, as it always has
+            declared = request.headers.get("content-length", "")
+            check_body_bytes(int(declared) if declared.isascii() and declared.isdigit() else None, model)
             state = _state(request)
             # Held from before the first byte is read until the answer is built: bodies being read count
             # against the budget too (20 bodies of 31 MB read at once grew the server by 1.2 GB before any
@@ -116,6 +118,7 @@ class AccessFirst(APIRoute):
                 raw = await request.body()
                 if not raw:
                     return await handler(request)  # a missing body: FastAPI's 422
+                check_body_bytes(len(raw), model)  # sent without a length
                 parsed = await run_in_threadpool(parse_body, raw, model, state.ingest_limits)
                 return await handler(ParsedRequest(request, raw, parsed))
 
