@@ -1,9 +1,9 @@
 """TRL's ``report_to`` trackers get the scored figures at the steps they belong to (integrations/trl_trackers.py).
 
-A real tiny GRPO run reports to TensorBoard and Trackio while a real service scores it; the event
-files are read back with TensorBoard's own reader and the Trackio project from its SQLite file (in
-the folder conftest gives Trackio). With the service down, a run trains and logs as it does without
-the monitor.
+A real tiny GRPO run reports to TensorBoard, Trackio and W&B (offline) while a real service scores
+it; the event files are read back with TensorBoard's own reader, the Trackio project from its SQLite
+file (in the folder conftest gives Trackio), the W&B run from its ``.wandb`` file. With the service
+down, a run trains and logs as it does without the monitor.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collapse_monitor.trackers import NAMES
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("trackio")
+pytest.importorskip("wandb")
 
 
 def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
@@ -47,22 +48,64 @@ def trackio_rows(project: str) -> list[dict]:
         db.close()
 
 
+def wandb_records(run_file: Path) -> list:
+    """The records of an offline W&B run's ``.wandb`` file, parsed with W&B's own protobuf ``Record``.
+
+    The file is a LevelDB log (as wandb-core writes it): a 7-byte header (``:W&B``, magic, version),
+    then 32 KiB blocks of chunks, each a 4-byte checksum, a 2-byte little-endian length and a type
+    (1 a whole record, 2-4 its first, middle and last pieces); a block's last 6 bytes or fewer are padding.
+    """
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    data, block, at, pending, records = run_file.read_bytes(), 32768, 7, b"", []
+    while at + 7 <= len(data):
+        if block - at % block < 7:
+            at += block - at % block
+            continue
+        length, kind = int.from_bytes(data[at + 4 : at + 6], "little"), data[at + 6]
+        pending += data[at + 7 : at + 7 + length]
+        at += 7 + length
+        if kind in (1, 4):
+            record = Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def wandb_history(run_file: Path) -> tuple[list[dict], dict[str, str]]:
+    """An offline W&B run's history rows, as logged, and each defined metric's step axis (``{name: step_metric}``)."""
+    history, axes = [], {}
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
+        elif record.WhichOneof("record_type") == "metric" and record.metric.step_metric:
+            axes[record.metric.name or record.metric.glob_name] = record.metric.step_metric
+    return history, axes
+
+
 # TRL 1.16's GRPOConfig still sets the name transformers 5.24 deprecated; nothing for us to change.
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 @pytest.mark.usefixtures("one_thread")
 def test_a_grpo_run_shows_the_scored_figures_in_tensorboard_and_trackio_at_their_steps(
     service, run_name, tmp_path, monkeypatch
 ):
+    import wandb
+
     from collapse_monitor.integrations.trl import attach
 
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tensorboard"))
+    for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
+        monkeypatch.setenv(name, value)
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE)
     args = grpo_config(
         tmp_path / "out",
         max_completion_length=8,
         max_steps=3,
         save_strategy="no",
-        report_to=["tensorboard", "trackio"],
+        report_to=["tensorboard", "trackio", "wandb"],
         project=run_name,
         run_name=run_name,
     )
@@ -70,6 +113,7 @@ def test_a_grpo_run_shows_the_scored_figures_in_tensorboard_and_trackio_at_their
     trainer = paced_trainer(monitor, args, ROOMS, alert_polls=0)
     attach(trainer, monitor, tracker_poll_seconds=0.1)
     trainer.train()
+    wandb.finish()  # transformers leaves the W&B run open; finishing it writes the rest of its file
     monitor.close()
 
     stored = {
@@ -87,8 +131,10 @@ def test_a_grpo_run_shows_the_scored_figures_in_tensorboard_and_trackio_at_their
     # Steps 1 and 2 were scored before training ended; step 3 may have been scored after.
     assert {1, 2} <= steps <= {1, 2, 3}
     assert written == {key: pytest.approx(value, rel=1e-6) for key, value in stored.items() if key[0] in steps}
-    # the alert's state at the step it reached it: pending at 1, firing at 2 (FIRE_AT_ONCE)
-    assert scalars["collapse/alert/TemplateCollapse"] == {1: 1.0, 2: 2.0}
+    # the alert's state at the step it reached it: firing at 2 (FIRE_AT_ONCE); pending at 1 when a fetch
+    # came between the two steps' scoring (an alert is listed in the state it is in now)
+    alert = scalars["collapse/alert/TemplateCollapse"]
+    assert alert in ({1: 1.0, 2: 2.0}, {2: 2.0})
     assert set(scalars["train/reward"]) == {1, 2, 3}  # the trainer's own series, at its own steps
 
     # Trackio: rows of their own, with the step they belong to as collapse/step, in step order
@@ -102,6 +148,17 @@ def test_a_grpo_run_shows_the_scored_figures_in_tensorboard_and_trackio_at_their
         if name not in ("collapse/step", "collapse/alert/TemplateCollapse")
     } == {key: stored[key] for key in written}
     assert [row["train/global_step"] for row in rows if "train/reward" in row] == [1, 2, 3]
+
+    # W&B: the same rows, plotted against collapse/step (its own step only grows)
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, axes = wandb_history(run_file)
+    assert {axes[name] for row in collapse_rows for name in row if name != "collapse/step"} == {"collapse/step"}
+    assert [
+        {name: value for name, value in row.items() if name.startswith("collapse/")}
+        for row in history
+        if "collapse/step" in row
+    ] == collapse_rows
+    assert [row["_step"] for row in history] == sorted(row["_step"] for row in history)
 
 
 def length(completions, **_kwargs):

@@ -9,9 +9,8 @@ order, through the tracker the trainer set up:
 * **TensorBoard**: the trainer's own ``SummaryWriter`` (``TensorBoardCallback.tb_writer``), at the
   step the figures belong to: ``add_scalar(name, value, step)``.
 * **W&B**: ``wandb.log`` can only move its step forward, so the figures go in a row of their own with
-  ``collapse/step``, the step they belong to, and ``define_metric("collapse/*",
-  step_metric="collapse/step")`` plots them against it, as transformers plots ``train/*`` against
-  ``train/global_step``.
+  ``collapse/step``, the step they belong to, and ``define_metric(name, step_metric="collapse/step")``
+  plots each against it, as transformers plots the trainer's figures against ``train/global_step``.
 * **Trackio**: the same as W&B. Trackio takes an explicit step, but transformers' ``TrackioCallback``
   logs without one (Trackio's step there counts the trainer's log calls; the training step is the
   ``train/global_step`` figure), and an explicit step past Trackio's counter would move that counter,
@@ -63,10 +62,16 @@ def _wandb(_callback: Any, step: int, figures: dict[str, float]) -> None:
     run = importlib.import_module("wandb").run
     if run is None:
         return
-    # Defining a metric again is harmless, and the run may be a new one (a second train()).
-    run.define_metric(STEP)
-    run.define_metric(f"{PREFIX}*", step_metric=STEP)
+    # Each name defined exactly, not as a glob: wandb-core tries the globs that match a name in no set
+    # order, and transformers defines "*" against train/global_step.
+    for name in (STEP, *figures):
+        if (run.id, name) not in _WANDB_DEFINED:
+            run.define_metric(name, step_metric=STEP if name != STEP else None)
+            _WANDB_DEFINED.add((run.id, name))
     run.log({**figures, STEP: step})
+
+
+_WANDB_DEFINED: set[tuple[str, str]] = set()  # (W&B run id, name): the names given their axis in each run
 
 
 # transformers' reporting callbacks, by class name (TrackioCallback is recent; no version is imported).
@@ -109,15 +114,21 @@ class TrackerFeed(TrainerCallback):  # type: ignore[misc]  # transformers is unt
         self.poll_seconds = poll_seconds
         self.flush_timeout = flush_timeout
         self.figures: ScoredFigures | None = None
+        self._started = False
         self._failed: set[int] = set()  # trackers (by index) whose failure was logged
 
     def on_train_begin(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         # A resumed train() starts past its checkpoint: the steps before were written by the train() that made them.
-        self.figures = ScoredFigures(self.monitor, self.poll_seconds, next_step=state.global_step + 1).start()
+        self.figures = ScoredFigures(self.monitor, self.poll_seconds, next_step=state.global_step + 1)
+        self._started = False
 
     def on_step_end(self, _args: Any, _state: Any, _control: Any, **_kwargs: Any) -> None:
-        if self.figures is not None:
-            self._write(self.figures.take())
+        if self.figures is None:
+            return
+        if not self._started:  # polling from the first step on: before it sent a batch, the run may not exist
+            self._started = True
+            self.figures.start()
+        self._write(self.figures.take())
 
     def on_train_end(self, _args: Any, _state: Any, _control: Any, **_kwargs: Any) -> None:
         """Writes what was scored by now; the service keeps the rest (its pages, ``monitor.metrics``)."""
