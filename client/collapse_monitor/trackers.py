@@ -22,6 +22,8 @@ logger = logging.getLogger("collapse_monitor")
 
 PREFIX = "collapse/"
 NAMES = ("mi_estimate", "retrieval_chance_corrected", "conditional_entropy_est")
+# Scored only from batches whose turns carry the trainer's log-probs (reasoning_logprobs): there when present.
+WHEN_SENT = ("trainer_scorer_logprob_gap",)
 STATE_CODES = {"resolved": 0.0, "pending": 1.0, "firing": 2.0}  # an alert state as a plottable number
 
 
@@ -32,8 +34,8 @@ class ScoredFigures:
     monitor: Monitor
     poll_seconds: float = 10.0
     sampler: str | None = None  # None: every sampler the service ran, each as collapse/<sampler>/<name>
+    next_step: int = 0  # the first step not fetched yet (a resumed trainer starts past its checkpoint)
     _new: dict[int, dict[str, float]] = field(default_factory=dict)
-    _next_step: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _failing: bool = False
@@ -54,7 +56,7 @@ class ScoredFigures:
     def poll(self) -> None:
         """One fetch (what the thread does every ``poll_seconds``); errors are logged, never raised."""
         try:
-            points = self.monitor.metrics(NAMES, sampler=self.sampler, from_step=self._next_step)
+            points = self.monitor.metrics((*NAMES, *WHEN_SENT), sampler=self.sampler, from_step=self.next_step)
             alerts = self.monitor.alerts()
         except Exception as e:  # a tracker feed must never take the trainer down
             if not self._failing:
@@ -74,7 +76,7 @@ class ScoredFigures:
             with self._lock:
                 for step, figures in found.items():
                     self._new.setdefault(step, {}).update(figures)
-            self._next_step = max(found) + 1  # figures arrive in step order: never send a step twice
+            self.next_step = max(found) + 1  # figures arrive in step order: never send a step twice
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_seconds):

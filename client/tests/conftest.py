@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from running_service import RunningService
+
+# Trackio reads TRACKIO_DIR once, when imported (a test module may import it while being collected): every
+# Trackio project a test writes in this process goes to a folder of this session, never the user's own.
+TRACKIO_DIR = os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trackio-")
+
+
+def pytest_sessionfinish() -> None:
+    shutil.rmtree(TRACKIO_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

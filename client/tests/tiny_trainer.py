@@ -89,10 +89,10 @@ def n_finished(monitor: Monitor) -> int:
     return int(batches.get("done", 0)) + int(batches.get("failed", 0))
 
 
-def paced(monitor: Monitor, trainer_box: list) -> Callable[..., list[float]]:
+def paced(monitor: Monitor, trainer_box: list, alert_polls: int = 2) -> Callable[..., list[float]]:
     """A reward function that, on the main process, waits until the previous step is scored and the
-    alert watcher has looked twice since: a real step is slower than its scoring, this tiny one is
-    not. Other processes wait for the main one in the trainer's collectives."""
+    alert watcher has looked ``alert_polls`` times since (0: no watcher): a real step is slower than its
+    scoring, this tiny one is not. Other processes wait for the main one in the trainer's collectives."""
 
     def reward(completions, **_kwargs):
         trainer = trainer_box[0]
@@ -102,20 +102,20 @@ def paced(monitor: Monitor, trainer_box: list) -> Callable[..., list[float]]:
             while n_finished(monitor) < done and time.monotonic() < deadline:
                 time.sleep(0.05)
             polls = monitor.stats().alert_polls
-            while monitor.stats().alert_polls < polls + 2 and time.monotonic() < deadline:
+            while monitor.stats().alert_polls < polls + alert_polls and time.monotonic() < deadline:
                 time.sleep(0.02)
         return [float(len(c[0]["content"])) for c in completions]
 
     return reward
 
 
-def paced_trainer(monitor: Monitor, args: GRPOConfig, prompts: list) -> GRPOTrainer:
+def paced_trainer(monitor: Monitor, args: GRPOConfig, prompts: list, alert_polls: int = 2) -> GRPOTrainer:
     """A GRPOTrainer of the tiny policy whose one reward function is ``paced`` on ``monitor``."""
     model, tokenizer = tiny_policy()
     box: list = []
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[paced(monitor, box)],
+        reward_funcs=[paced(monitor, box, alert_polls)],
         args=args,
         train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,

@@ -44,6 +44,10 @@ same watcher as ``save_on``/``stop_on``. ``rollback_on`` stops at an alert state
 checkpoint saved at ``pending``: TRL cannot reload a checkpoint in the middle of ``train()``, so the
 rollback is its resume, ``trainer.train(resume_from_checkpoint=callback.take_rollback())``, with the filter
 engaged.
+
+The trainer's trackers: when ``report_to`` names TensorBoard, Trackio or W&B, the main process writes
+each scored step's figures (``collapse/...``) into them at the step they belong to, fetched every
+``tracker_poll_seconds`` in the background (``integrations/trl_trackers.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from collapse_monitor.alerts import AlertActions, AlertEvent, check_filters
 from collapse_monitor.conversations import assistant_turns, is_conversation
 from collapse_monitor.engagement import FilterEngagement, fan_out, union_filters
 from collapse_monitor.integrations.trl_filter import TRLSNRFilter, install_snr_filter
+from collapse_monitor.integrations.trl_trackers import feed_trackers
 from collapse_monitor.monitor import Monitor
 from collapse_monitor.snr_filter import FIGURE_NAMES, SNRFilter
 
@@ -98,6 +103,7 @@ def attach(
     alert_poll_seconds: float = 10.0,
     snr_filter: SNRFilter | None = None,
     rollback_on: Collection[str] = (),
+    tracker_poll_seconds: float = 10.0,
 ) -> CollapseMonitorCallback:
     """Sends ``trainer``'s generation batches to ``monitor``; returns the callback it added.
 
@@ -109,6 +115,7 @@ def attach(
     ``rollback_on`` (alert states; needs ``snr_filter`` and "pending" in ``save_on``): stop when an
     alert of ``rules`` enters one, engage the filter, and hand back the checkpoint saved when the alert
     was pending (``take_rollback()``) to resume from, as TRL resumes: ``trainer.train(resume_from_checkpoint=...)``.
+    ``tracker_poll_seconds``: how often the scored figures are fetched for the trackers ``report_to`` names.
 
     Raises:
         TypeError: not a TRL GRPOTrainer or RLOOTrainer.
@@ -157,6 +164,7 @@ def attach(
         rollback_on=rollback_on,
     )
     trainer.add_callback(callback)
+    feed_trackers(trainer, monitor, tracker_poll_seconds, flush_timeout)
     return callback
 
 
