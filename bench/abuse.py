@@ -268,7 +268,8 @@ def nested_items(where: str) -> Callable[[int], dict]:
         figures = b'{"figures": {' + b",".join(b'"f%d": true' % i for i in range(items)) + b"}"
         trues = b",".join([b"true"] * items)
         turn = b'{"prompt_token_ids": [' + trues + b'], "response": "r"}'
-        step1 = b'{"step": 1, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"prompt": "p", "response": "r"}]}]'
+        one_turn = b'{"group_id": 0, "reward": 0, "turns": [{"prompt": "p", "response": "r"}]}'
+        step1 = b'{"step": 1, "trajectories": [' + one_turn + b"]"
         bodies = {
             "figures_post": (b'{"step": 1, ' + figures[1:], "/v1/runs/r/figures"),
             "batch_figures": (step1 + b", " + figures[1:], "/v1/runs/r/batches"),

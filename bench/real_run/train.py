@@ -267,8 +267,12 @@ def train(args: argparse.Namespace) -> None:
         ),
         callbacks=build_callbacks(recorder, save=bool(args.url)),
     )
-    # RAGEN's filter as the paper runs it (top_p 0.9 of the reward spread), from the start or from an alert.
-    snr = SNRFilter(strategy="top_p", value=0.9, engage=arm.snr_filter) if arm.snr_filter else None
+    # RAGEN's filter as the paper runs it (top_p 0.9 of the reward spread), from the start or from an alert: the
+    # arm's recorded alert, LowRewardSignal or TemplateCollapse pending (the client's default now waits for a firing).
+    snr = None
+    if arm.snr_filter:
+        rules, states = ("LowRewardSignal", "TemplateCollapse"), ("pending",)
+        snr = SNRFilter(strategy="top_p", value=0.9, engage=arm.snr_filter, rules=rules, states=states)
     if snr is not None and not args.url:
         install_snr_filter(trainer, snr)  # engage="always": no service needed
     monitors = []

@@ -1,17 +1,19 @@
-"""Acting on a run's alerts: a background watcher that turns the service's alert list into events.
+"""Acting on a run's alerts: the monitor's one alert watcher, which turns the service's alert list into events.
 
-``AlertWatcher`` polls ``GET /v1/runs/{run}/alerts`` from its own thread and calls a callback once
-per alert state change it has not delivered before (``AlertEvent``). ``AlertActions`` is such a
-callback for training loops: it queues the events and turns them, on the training thread, into a
-decision to save a checkpoint or to stop (the TRL and verl integrations use it).
+A ``Monitor`` has at most one ``AlertWatcher``: it polls ``GET /v1/runs/{run}/alerts`` from its own
+thread and hands each alert state change once (``AlertEvent``) to every callback subscribed with
+``Monitor.on_alert``, each with its own rules and states. ``AlertActions`` (save and stop decisions),
+``collapse_monitor.engagement.FilterEngagement`` (when the SNR filter acts) and the TRL rollback's
+checkpoint keeper are such callbacks: they queue the events, and the training thread reads them.
 
 An alert is an episode of one rule on one sampler: ``pending`` when its condition starts to hold,
 ``firing`` once it held ``window`` scored steps, ``resolved`` when it stopped holding (docs/alerts.md).
-A pending alert whose condition breaks before it fires is deleted by the service: no event. A poll
-that finds an alert in a later state than last seen also delivers the states it passed through
-meanwhile (a pending alert that fired between two polls gives ``pending`` then ``firing``); an
-alert that fired at its first step (``window`` 1) was never pending. Must not import the
-integrations.
+A pending alert whose condition breaks before it fires leaves the service's list (it keeps it as a
+``dropped`` record, listed only when asked for): the watcher delivers ``dropped`` for a pending alert
+it saw that is gone at the next answered poll. A poll that finds an alert in a later state than last
+seen also delivers the states it passed through meanwhile (a pending alert that fired between two
+polls gives ``pending`` then ``firing``); an alert that fired at its first step (``window`` 1) was
+never pending. Must not import the monitor or the integrations.
 """
 
 from __future__ import annotations
@@ -20,20 +22,18 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import httpx
 
 from collapse_monitor.sender import backoff_delay
 from collapse_monitor.transport import Transport
 
-if TYPE_CHECKING:
-    from collapse_monitor.monitor import Monitor
-
 logger = logging.getLogger("collapse_monitor")
 
-STATES = ("pending", "firing", "resolved")
+STATES = ("pending", "firing", "resolved", "dropped")
+OPEN_STATES = ("pending", "firing")
 # The rules of the service this client was written against; a newer service may have more, so an
 # unknown name is warned about, not refused.
 KNOWN_RULES = frozenset({"TemplateCollapse", "EntropyCollapse", "LowRewardSignal", "NoReasoning"})
@@ -45,8 +45,11 @@ class AlertEvent:
     """One alert state change, as the watcher delivers it.
 
     ``step`` is the run's step at which the alert entered ``state`` (its onset for ``pending``,
-    ``fired_step`` for ``firing``, ``resolved_step`` for ``resolved``); ``last_step`` the latest
-    scored step it was evaluated at when seen. ``alert`` is the service's whole alert document.
+    ``fired_step`` for ``firing``, ``resolved_step`` for ``resolved``, the last step seen pending for
+    ``dropped``); ``onset_step`` the first step of the episode; ``last_step`` the latest scored step it
+    was evaluated at when seen. ``is_open_at_start``: the alert was already open (pending or firing)
+    when its subscriber first looked, before this monitor delivered any batch: it began before this
+    process (a restarted job). ``alert`` is the service's whole alert document.
     """
 
     rule: str
@@ -60,6 +63,13 @@ class AlertEvent:
     severity: str
     summary: str
     alert: Mapping[str, Any] = field(repr=False, compare=False)
+    is_open_at_start: bool = False
+
+    @property
+    def episode(self) -> tuple[int, str, str, int]:
+        """What the alert is known by: its id, rule, sampler and onset (SQLite may give a deleted alert's id
+        to the next one, so the id alone is not enough)."""
+        return (self.alert_id, self.rule, self.sampler, self.onset_step)
 
     def describe(self) -> str:
         return f"{self.rule} on sampler {self.sampler} ({self.severity}) {self.state} at step {self.step}"
@@ -99,7 +109,7 @@ def transitions(alert: Mapping[str, Any]) -> list[AlertEvent]:
 
 def check_filters(rules: Iterable[str] | None, states: Iterable[str]) -> tuple[frozenset[str] | None, frozenset[str]]:
     """The rule and state filters as sets; raises ValueError for an unknown state."""
-    wanted_states = frozenset(states)
+    wanted_states = frozenset((states,) if isinstance(states, str) else states)
     unknown = sorted(wanted_states - set(STATES))
     if unknown:
         raise ValueError(f"states must be among {', '.join(STATES)}, got {', '.join(unknown)}")
@@ -114,38 +124,56 @@ def check_filters(rules: Iterable[str] | None, states: Iterable[str]) -> tuple[f
 
 
 @dataclass(eq=False)  # stateful: equal only to itself
-class AlertWatcher:
-    """Polls one run's alerts from a background thread and calls ``callback`` once per new state change.
+class _Subscriber:
+    callback: Callable[[AlertEvent], object]
+    rules: frozenset[str] | None
+    states: frozenset[str]
+    has_looked: bool = False
 
-    Created by ``Monitor.on_alert``. The first successful poll is a baseline when it comes before
-    this monitor has delivered any batch: alerts already there (a trainer resumed on a run that
-    alerted before) are not delivered, unless ``existing``. After that every state change seen is
-    delivered once: an alert is known by its id, rule, sampler and onset step, a state change by
-    its state and step, so a reconnect after an outage delivers only what happened meanwhile. A
-    callback that raises is logged and counted (``alert_callback_errors``); later events still
-    come. Poll failures are counted (``alert_poll_errors``) and retried with backoff.
+    def wants(self, event: AlertEvent) -> bool:
+        return event.state in self.states and (self.rules is None or event.rule in self.rules)
+
+
+@dataclass(eq=False)  # stateful: equal only to itself
+class AlertWatcher:
+    """Polls one run's alerts from a background thread and hands each new state change to its subscribers.
+
+    Created by the monitor's first ``Monitor.on_alert``; later calls subscribe to the same watcher
+    (``subscribe``). A subscriber's first answered poll delivers the alerts open then (pending or
+    firing: each state they went through, once, ``is_open_at_start`` when this monitor had delivered
+    no batch yet); closed ones are history and are not delivered, unless this monitor delivered a
+    batch before (then they happened while it trained). After that every state change seen is
+    delivered once: a state change is known by its alert's ``episode`` and its state and step, so a
+    reconnect after an outage delivers only what happened meanwhile. Callbacks run in turn on the
+    watcher's thread: a slow one delays the others and the next poll (queue the work, as
+    ``AlertActions`` does). A callback that raises is logged and counted (``alert_callback_errors``);
+    later events still come. Poll failures are counted (``alert_poll_errors``) and retried with backoff.
     """
 
     transport: Transport
     run: str
-    callback: Callable[[AlertEvent], object]
-    rules: frozenset[str] | None
-    states: frozenset[str]
     interval: float
-    existing: bool
     count: Callable[[str], None]
     has_delivered: Callable[[], bool]
 
     def __post_init__(self) -> None:
+        self._subscribers: list[_Subscriber] = []
+        self._lock = threading.Lock()
         self._seen: set[tuple[Any, ...]] = set()
         self._last_state: dict[tuple[Any, ...], int] = {}
-        self._baseline_taken = False
+        self._open: dict[tuple[Any, ...], list[AlertEvent]] = {}  # the open alerts' events, as last seen
         self._failures = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __repr__(self) -> str:
-        return f"AlertWatcher(run={self.run!r}, rules={sorted(self.rules) if self.rules else None})"
+        return f"AlertWatcher(run={self.run!r}, subscribers={len(self._subscribers)})"
+
+    def subscribe(
+        self, callback: Callable[[AlertEvent], object], rules: frozenset[str] | None, states: frozenset[str]
+    ) -> None:
+        with self._lock:
+            self._subscribers.append(_Subscriber(callback, rules, states))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name=f"collapse-monitor-alerts-{self.run}", daemon=True)
@@ -182,6 +210,8 @@ class AlertWatcher:
     def poll(self) -> bool:
         """One look at the run's alerts; delivers what is new. Returns whether the service answered."""
         delivered_before = self.has_delivered()  # read before the request: see the class docstring
+        with self._lock:
+            subscribers = list(self._subscribers)  # one subscribed meanwhile looks at the next poll
         try:
             alerts = self._fetch()
         except (httpx.HTTPError, ValueError) as e:
@@ -194,14 +224,25 @@ class AlertWatcher:
             logger.warning("collapse-monitor: the alerts of run %r can be read again", self.run)
         self._failures = 0
         self.count("alert_polls")
-        is_baseline = not self._baseline_taken and not delivered_before and not self.existing
-        self._baseline_taken = True
-        for event in self._new_events(alerts):
-            if is_baseline or self._stop.is_set():
-                continue
-            if event.state not in self.states or (self.rules is not None and event.rule not in self.rules):
-                continue
-            self._deliver(event)
+        new = self._new_events(alerts)
+        at_start = [
+            event if delivered_before else replace(event, is_open_at_start=True)
+            for events in self._open.values()
+            for event in events
+        ]
+        for subscriber in subscribers:
+            if subscriber.has_looked:
+                events = new
+            elif delivered_before:  # what is open now and what happened since this monitor delivered
+                events = at_start + [e for e in new if e.episode not in self._open]
+            else:
+                events = at_start
+            subscriber.has_looked = True
+            for event in events:
+                if self._stop.is_set():
+                    return True
+                if subscriber.wants(event):
+                    self._deliver(subscriber.callback, event)
         return True
 
     def _fetch(self) -> list[Mapping[str, Any]]:
@@ -216,8 +257,9 @@ class AlertWatcher:
         return [a for a in answer if isinstance(a, Mapping)]
 
     def _new_events(self, alerts: Iterable[Mapping[str, Any]]) -> list[AlertEvent]:
-        """State changes not seen before, oldest alert first, each alert's in order."""
+        """State changes not seen before, oldest alert first, each alert's in order; updates the open alerts."""
         out = []
+        listed: set[tuple[Any, ...]] = set()
         for alert in alerts:
             try:
                 events = transitions(alert)
@@ -226,28 +268,37 @@ class AlertWatcher:
                 continue
             if not events:
                 continue
-            first = events[0]
-            # SQLite may give a deleted pending alert's id to the next one, so the id alone is not enough.
-            identity = (first.alert_id, first.rule, first.sampler, first.onset_step)
+            identity = events[0].episode
+            listed.add(identity)
             order = STATES.index(events[-1].state)
             if order < self._last_state.get(identity, -1):
                 # The same row went back (a resumed run whose new history repeats the episode): a new episode.
                 self._seen = {key for key in self._seen if key[0] != identity}
             self._last_state[identity] = order
+            if events[-1].state in OPEN_STATES:
+                self._open[identity] = events
+            else:
+                self._open.pop(identity, None)
             for event in events:
                 key = (identity, event.state, event.step)
                 if key not in self._seen:
                     self._seen.add(key)
                     out.append(event)
+        for identity in [i for i in self._open if i not in listed]:
+            last = self._open.pop(identity)[-1]
+            if last.state == "pending":  # its condition broke before it fired: the service lists it no more
+                self._last_state[identity] = STATES.index("dropped")
+                self._seen.add((identity, "dropped", last.last_step))
+                out.append(replace(last, state="dropped", step=last.last_step))
         return out
 
-    def _deliver(self, event: AlertEvent) -> None:
+    def _deliver(self, callback: Callable[[AlertEvent], object], event: AlertEvent) -> None:
         self.count("alert_events")
         try:
-            self.callback(event)
+            callback(event)
         except Exception:  # the callback is the user's code: it must not stop the watcher
             self.count("alert_callback_errors")
-            logger.exception("collapse-monitor: the alert callback %r failed on %s", self.callback, event.describe())
+            logger.exception("collapse-monitor: the alert callback %r failed on %s", callback, event.describe())
 
 
 @dataclass(frozen=True)
@@ -262,12 +313,16 @@ class Decision:
 class AlertActions:
     """Alert events in, save and stop decisions out, taken on the training thread.
 
-    Register it as a callback (``monitor.on_alert(actions, states=actions.states)``, or
-    ``AlertActions.watch``): the watcher's thread only queues events, and ``take(step)`` (or
+    Subscribe it with ``monitor.act_on_alerts`` (or ``monitor.on_alert(actions, rules=actions.rules,
+    states=actions.states)``): the watcher's thread only queues events, and ``take(step)`` (or
     ``should_stop`` / ``should_save``), called by the training loop, reads the queue without any
     network call. An event of a rule in ``rules`` (None: every rule) whose state is in ``save_on``
     asks for a checkpoint, once; one whose state is in ``stop_on`` asks to stop, for good. Each
-    decision is logged with its rule, sampler, state and steps, and kept in ``history``.
+    decision is logged with its rule, sampler, state and steps, and kept in ``history``. An alert
+    already open when this process started watching (``is_open_at_start``: a restarted job) asks for
+    nothing, logged once: a job resumed from a checkpoint before the collapse would otherwise stop at
+    its first step, before the service has seen its new history (the SNR filter's engagement does act
+    on it).
     """
 
     def __init__(
@@ -281,27 +336,10 @@ class AlertActions:
         _, self.stop_on = check_filters(None, stop_on)
         self.states = self.save_on | self.stop_on
         self.history: list[tuple[int, Decision]] = []  # (training step, decision) of every save or stop asked
-        self.watcher: AlertWatcher | None = None
         self._queue: deque[AlertEvent] = deque()  # appended by the watcher thread, read by the training thread
         self._save_due = False
         self._stop_due = False
         self._events: list[AlertEvent] = []
-
-    @classmethod
-    def watch(
-        cls,
-        monitor: Monitor,
-        *,
-        save_on: Collection[str] = ("pending",),
-        stop_on: Collection[str] = ("firing",),
-        rules: Iterable[str] | None = ("TemplateCollapse",),
-        interval: float = 10.0,
-    ) -> AlertActions:
-        """Actions fed by ``monitor.on_alert`` (nothing is polled when the monitor is disabled)."""
-        actions = cls(save_on=save_on, stop_on=stop_on, rules=rules)
-        if actions.states:
-            actions.watcher = monitor.on_alert(actions, rules=actions.rules, states=actions.states, interval=interval)
-        return actions
 
     def __call__(self, event: AlertEvent) -> None:
         self._queue.append(event)
@@ -325,10 +363,6 @@ class AlertActions:
         save, self._save_due = self._save_due, False
         return save
 
-    def close(self) -> None:
-        if self.watcher is not None:
-            self.watcher.stop()
-
     def _drain(self, step: int) -> None:
         while self._queue:
             event = self._queue.popleft()
@@ -337,6 +371,16 @@ class AlertActions:
             save = event.state in self.save_on
             stop = event.state in self.stop_on
             if not (save or stop):
+                continue
+            if event.is_open_at_start:
+                logger.warning(
+                    "collapse-monitor: %s (alert %d, onset step %d) was open before this process watched: "
+                    "not acted on at training step %d (a restarted job)",
+                    event.describe(),
+                    event.alert_id,
+                    event.onset_step,
+                    step,
+                )
                 continue
             what = " and ".join(w for w, asked in (("saving a checkpoint", save), ("stopping training", stop)) if asked)
             logger.warning(

@@ -163,7 +163,7 @@ class Monitor:
         self._closed = False
         self._pid = os.getpid()
         self._warned: set[str] = set()
-        self._watchers: list[AlertWatcher] = []
+        self._watcher: AlertWatcher | None = None  # the one alert subscription: every on_alert reads it
         self._actions: AlertActions | None = None
         self._last_step: int | None = None
         self._exit_hook = functools.partial(_close_at_exit, self)
@@ -310,8 +310,8 @@ class Monitor:
                 return True
             self._closed = True
         atexit.unregister(self._exit_hook)
-        for watcher in self._watchers:
-            watcher.stop(grace_seconds=0.5)
+        if self._watcher is not None:
+            self._watcher.stop(grace_seconds=0.5)
         delivered = True
         if self._started:
             delivered = self._sender.flush(timeout, give_up_when_unreachable=at_exit)
@@ -337,18 +337,19 @@ class Monitor:
         rules: Iterable[str] | None = None,
         states: Iterable[str] = ("pending", "firing"),
         interval: float = 10.0,
-        existing: bool = False,
     ) -> AlertWatcher | None:
         """Calls ``callback(event)`` from a background thread once per new state change of the run's alerts.
 
-        The run's alerts are polled every ``interval`` seconds (``GET /v1/runs/{run}/alerts``, with
-        backoff while the service is unreachable); each state change of a rule in ``rules`` (None:
-        every rule) into one of ``states`` is delivered once, as an ``AlertEvent``, also across
-        outages. Alerts already there at the first poll, before this monitor delivered a batch,
-        are not delivered unless ``existing``. Never blocks ``log()``; a callback that raises is
-        logged and counted (``stats().alert_callback_errors``). Stopped by ``close()`` (or the
-        returned watcher's ``stop()``). Returns None, starting nothing, on a disabled monitor.
-        See ``collapse_monitor.alerts``.
+        The monitor's one alert watcher, started by the first call, polls the run's alerts every
+        ``interval`` seconds (the shortest asked; ``GET /v1/runs/{run}/alerts``, with backoff while the
+        service is unreachable); each state change of a rule in ``rules`` (None: every rule) into one of
+        ``states`` (pending, firing, resolved, dropped) is delivered once, as an ``AlertEvent``, also
+        across outages. Alerts open at the callback's first poll are delivered once (``is_open_at_start``
+        when they began before this monitor delivered a batch: a restarted job); closed ones are not.
+        Never blocks ``log()``; callbacks run in turn on the watcher's thread, and one that raises is
+        logged and counted (``stats().alert_callback_errors``). Stopped by ``close()`` (or the returned
+        watcher's ``stop()``, which ends every callback's). Returns None, starting nothing, on a disabled
+        monitor or in a forked process. See ``collapse_monitor.alerts``.
         """
         wanted_rules, wanted_states = check_filters(rules, states)
         if not wanted_states:
@@ -357,24 +358,26 @@ class Monitor:
             raise ValueError(f"interval must be a positive number of seconds, got {interval}")
         if not self._is_active("on_alert"):
             return None
-        watcher = AlertWatcher(
-            Transport(self.url, self._timeout, self._headers),
-            self.run,
-            callback,
-            rules=wanted_rules,
-            states=wanted_states,
-            interval=interval,
-            existing=existing,
-            count=self._sender.count,
-            has_delivered=lambda: self._sender.stats().sent > 0,
-        )
         with self._lock:
             if self._closed:
                 return None
-            self._watchers.append(watcher)
-            if not self._started:
-                atexit.register(self._exit_hook)  # close() stops the watcher; _start() registers it again harmlessly
-        watcher.start()
+            watcher, is_new = self._watcher, self._watcher is None
+            if watcher is None:
+                watcher = self._watcher = AlertWatcher(
+                    Transport(self.url, self._timeout, self._headers),
+                    self.run,
+                    interval=interval,
+                    count=self._sender.count,
+                    has_delivered=lambda: self._sender.stats().sent > 0,
+                )
+                if not self._started:
+                    atexit.register(
+                        self._exit_hook
+                    )  # close() stops the watcher; _start() registers it again harmlessly
+            watcher.interval = min(watcher.interval, interval)
+            watcher.subscribe(callback, wanted_rules, wanted_states)
+        if is_new:
+            watcher.start()
         return watcher
 
     def act_on_alerts(
@@ -401,7 +404,7 @@ class Monitor:
                 return self._actions
             self._actions = actions
         if actions.states:
-            actions.watcher = self.on_alert(actions, rules=actions.rules, states=actions.states, interval=interval)
+            self.on_alert(actions, rules=actions.rules, states=actions.states, interval=interval)
         return actions
 
     def should_stop(self, step: int | None = None) -> bool:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from collapse_monitor.alerts import STATES, check_filters
+from collapse_monitor.alerts import OPEN_STATES, STATES, check_filters
 
 VARIANTS = ("ragen", "upstream")
 STRATEGIES = {"ragen": ("top_p", "top_k", "top_k_abs", "min_p"), "upstream": ("top_p", "top_k")}
@@ -39,7 +39,7 @@ FILTER_TYPES = ("largest", "smallest")
 TOP_P_MODES = ("linear", "softmax")
 METRICS = ("reward_variance", "reward_std", "reward", "reward_sum")
 ENGAGE = ("always", "on_alert")
-DEFAULT_RULES = ("LowRewardSignal", "TemplateCollapse")
+DISENGAGE = ("never", "on_resolve")
 ZERO_SPREAD = 1e-10  # RAGEN's bound for "this score is zero"
 PW_BLOCK = 128  # numpy's pairwise-summation block
 
@@ -66,7 +66,13 @@ class SNRFilter:
         variant: ``"ragen"`` or ``"upstream"`` (see the module docstring).
         engage: ``"always"``, or ``"on_alert"``: from the step after an alert of ``rules`` entered
             one of ``states`` (needs a monitor's alert watcher).
-        rules, states: the alerts that engage the filter (``engage="on_alert"``).
+        rules, states: the alerts that engage the filter (``engage="on_alert"``); default TemplateCollapse
+            firing: a collapse confirmed over the rule's ``window``. Not LowRewardSignal or pending by
+            default: LowRewardSignal goes pending on one step with most groups at zero spread, which is
+            usual early in binary-reward training, so engagement would start from a noisy step.
+        disengage: ``"never"`` (the default: once engaged it stays engaged, as RAGEN runs the filter for
+            the whole training; an episode resolved under the filter tends to come back without it), or
+            ``"on_resolve"``: when every episode that engaged it resolved or was dropped.
         filter_type, top_p_prob_mode, metric: RAGEN's options (ragen only).
         include_zero: whether zero-spread groups may be kept; default True (RAGEN), False (upstream).
         selection_eps: slack subtracted from the top_p threshold (both variants; 0.01 in both).
@@ -82,8 +88,9 @@ class SNRFilter:
     value: float = 0.9
     variant: str = "ragen"
     engage: str = "always"
-    rules: tuple[str, ...] | None = DEFAULT_RULES
-    states: tuple[str, ...] = ("pending",)
+    rules: tuple[str, ...] | None = ("TemplateCollapse",)
+    states: tuple[str, ...] = ("firing",)
+    disengage: str = "never"
     filter_type: str = "largest"
     include_zero: bool | None = None
     top_p_prob_mode: str = "linear"
@@ -100,6 +107,7 @@ class SNRFilter:
         _one_of("variant", self.variant, VARIANTS)
         _one_of("strategy", self.strategy, STRATEGIES[self.variant], f" (variant {self.variant!r})")
         _one_of("engage", self.engage, ENGAGE)
+        _one_of("disengage", self.disengage, DISENGAGE)
         _one_of("filter_type", self.filter_type, FILTER_TYPES)
         _one_of("top_p_prob_mode", self.top_p_prob_mode, TOP_P_MODES)
         _one_of("metric", self.metric, METRICS)
@@ -122,6 +130,11 @@ class SNRFilter:
         check_filters(self.rules, self.states)  # an unknown state raises; an unknown rule is warned about
         if self.engage == "on_alert" and not self.states:
             raise ValueError(f"SNRFilter states must name at least one of {', '.join(STATES)} for engage='on_alert'")
+        if self.disengage == "on_resolve" and not set(self.states) <= set(OPEN_STATES):
+            raise ValueError(
+                f"SNRFilter disengage='on_resolve' ends engagement at resolved or dropped: states must be among "
+                f"{', '.join(OPEN_STATES)}, got {', '.join(self.states)}"
+            )
 
     def _check_ragen(self) -> None:
         what = {"top_p": "a share of the total score", "top_k": "a share of the groups", "min_p": "a ratio of the best"}

@@ -1,8 +1,6 @@
 """Monitor.on_alert against a real service: every alert state change once, in order, across outages.
 
-The alerts are made by the service's own rules: the test posts cross-scoring matrices to the run
-(``POST /v1/runs/{run}/matrices``, scored at once) whose rows depend on their prompt (healthy) or
-prefer another prompt than their own (input dependence gone, entropy unchanged: template collapse).
+The alerts are made by the service's own rules, on the matrices ``alert_matrices`` posts.
 """
 
 from __future__ import annotations
@@ -10,66 +8,13 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
-from collections.abc import Callable
 
-import httpx
 import pytest
+from alert_matrices import ALERTS, polls_after, post_matrices, states, unjudged, wait_for
 from bench.serving import free_port
-from rollouts import trajectories
 
 from collapse_monitor import AlertEvent, Monitor
-from collapse_monitor.alerts import AlertActions, Decision
-
-# TemplateCollapse from the first scored step on: the baseline is step 1, the condition must hold
-# two steps to fire, one healthy step resolves it.
-ALERTS = {"baseline_steps": 1, "window": 2, "resolve_window": 1}
-N_PROMPTS, PER_PROMPT, LENGTH = 4, 3, 10
-
-
-def unjudged(step: int) -> list[dict]:
-    """Trajectories of one prompt: logged as a trainer would, but with one prompt there is nothing to retrieve (no
-    chance-corrected retrieval), so only the posted matrices (sampler ``matrix``) can raise TemplateCollapse.
-    (Several prompts scored by the tiny random model raise it by chance, on some step, racing the matrices.)"""
-    return trajectories(step, n_groups=1)
-
-
-def matrix(step: int, collapsed: bool) -> dict:
-    """Rows score -2 nats per token under their own prompt; healthy rows 2 nats less under others,
-    collapsed rows 0.1 nats *more* under others (retrieval at zero, H(Z|X) within its band)."""
-    own = [g for g in range(N_PROMPTS) for _ in range(PER_PROMPT)]
-    other = -1.9 if collapsed else -4.0
-    per_token = [[-2.0 if column == g else other for column in range(N_PROMPTS)] for g in own]
-    return {
-        "step": step,
-        "idempotency_key": f"matrix-{step}-{collapsed}",
-        "row_group_ids": own,
-        "reasoning_lengths": [LENGTH] * len(own),
-        "L_seq": [[v * LENGTH for v in row] for row in per_token],
-    }
-
-
-def post_matrices(url: str, run: str, steps: dict[int, bool]) -> None:
-    for step, collapsed in steps.items():
-        response = httpx.post(f"{url}/v1/runs/{run}/matrices", json=matrix(step, collapsed), timeout=30)
-        assert response.status_code == 201, response.text
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-def polls_after(monitor: Monitor, n: int = 2) -> None:
-    """Waits until the watchers have answered ``n`` more polls (what they will deliver, they have)."""
-    start = monitor.stats().alert_polls
-    wait_for(lambda: monitor.stats().alert_polls >= start + n, what=f"{n} more polls")
-
-
-def states(events: list[AlertEvent]) -> list[tuple[str, str, str, int]]:
-    return [(e.rule, e.sampler, e.state, e.step) for e in events]
+from collapse_monitor.alerts import Decision
 
 
 def test_each_state_change_reaches_the_callback_once_in_order(service, run_name, tmp_path):
@@ -104,24 +49,49 @@ def test_each_state_change_reaches_the_callback_once_in_order(service, run_name,
     assert not watcher.is_running
 
 
-def test_alerts_already_there_are_a_baseline_unless_existing_and_caught_up_in_order(service, run_name, tmp_path):
+def test_alerts_open_at_the_first_poll_are_delivered_once_and_closed_ones_are_history(service, run_name, tmp_path):
+    """A restarted job: one episode resolved and one pending before this monitor watched."""
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)
-    post_matrices(service.url, run_name, {1: False, 2: True, 3: True})  # pending at 2, firing at 3, before watching
-    fresh: list[AlertEvent] = []
-    caught_up: list[AlertEvent] = []
-    monitor.on_alert(fresh.append, interval=0.1)
-    monitor.on_alert(caught_up.append, interval=0.1, existing=True)
-    polls_after(monitor, 4)
-    assert fresh == []  # a trainer attaching to a run that alerted before is not told again
-    # one poll saw the alert firing: the pending it went through comes first
-    assert states(caught_up) == [
-        ("TemplateCollapse", "matrix", "pending", 2),
-        ("TemplateCollapse", "matrix", "firing", 3),
+    # pending at 2, firing at 3, resolved at 4; pending again at 5: all before watching
+    post_matrices(service.url, run_name, {1: False, 2: True, 3: True, 4: False, 5: True})
+    first: list[AlertEvent] = []
+    monitor.on_alert(first.append, states=("pending", "firing", "resolved"), interval=0.1)
+    polls_after(monitor, 2)
+    later: list[AlertEvent] = []
+    monitor.on_alert(later.append, interval=0.1)  # subscribed after the first poll: its own first look
+    polls_after(monitor, 2)
+    assert [(*s, e.is_open_at_start) for s, e in zip(states(first), first)] == [
+        ("TemplateCollapse", "matrix", "pending", 5, True)
     ]
+    assert states(later) == states(first)
+    post_matrices(service.url, run_name, {6: True})
+    wait_for(lambda: len(first) == 2 and len(later) == 2, what="the firing event")
+    assert (first[1].state, first[1].step, first[1].is_open_at_start) == ("firing", 6, False)
+    monitor.close()
+
+
+def test_a_pending_alert_whose_condition_breaks_is_delivered_as_dropped(service, run_name, tmp_path):
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)
+    events: list[AlertEvent] = []
+    monitor.on_alert(events.append, states=("pending", "dropped"), interval=0.1)
+    polls_after(monitor, 1)
+    post_matrices(service.url, run_name, {1: False, 2: True})
+    wait_for(lambda: len(events) == 1, what="the pending event")
+    post_matrices(service.url, run_name, {3: False})  # the service keeps it as a dropped record, not listed
+    wait_for(lambda: len(events) == 2, what="the dropped event")
+    polls_after(monitor, 2)
+    # dropped at the last step it was seen pending
+    assert states(events) == [
+        ("TemplateCollapse", "matrix", "pending", 2),
+        ("TemplateCollapse", "matrix", "dropped", 2),
+    ]
+    assert events[0].episode == events[1].episode
+    assert [a["state"] for a in monitor.alerts(state="dropped")] == ["dropped"]
     monitor.close()
 
 
 def test_a_failing_or_blocking_callback_never_stops_the_watcher_nor_log(service, run_name, tmp_path, caplog):
+    """Callbacks share the monitor's one watcher: a blocked one holds the others back, never ``log()``."""
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, schedule={"every": 1000}, strict=True)
     release = threading.Event()
 
@@ -132,16 +102,17 @@ def test_a_failing_or_blocking_callback_never_stops_the_watcher_nor_log(service,
         release.wait(60)
 
     events: list[AlertEvent] = []
-    monitor.on_alert(failing, interval=0.1)
-    monitor.on_alert(blocking, interval=0.1)
+    watcher = monitor.on_alert(failing, interval=0.1)
+    assert monitor.on_alert(blocking, interval=0.1) is watcher  # one watcher per monitor
     monitor.on_alert(events.append, rules=["TemplateCollapse"], interval=0.1)
     polls_after(monitor, 3)
     post_matrices(service.url, run_name, {1: False, 2: True, 3: True})
-    wait_for(lambda: len(events) == 2, what="pending and firing")
-    for step in range(10, 20):  # the blocked callback holds its own thread only
+    wait_for(lambda: monitor.stats().alert_callback_errors >= 1, what="the first failure")
+    for step in range(10, 20):  # the blocked callback holds the watcher's thread only
         monitor.log(step, unjudged(step))
     assert monitor.flush(30)
     release.set()
+    wait_for(lambda: len(events) == 2, what="pending and firing")
     wait_for(lambda: monitor.stats().alert_callback_errors == 2, what="both failures counted")
     assert states(events) == [("TemplateCollapse", "matrix", "pending", 2), ("TemplateCollapse", "matrix", "firing", 3)]
     assert "the alert callback" in caplog.text
@@ -152,7 +123,7 @@ def test_a_failing_or_blocking_callback_never_stops_the_watcher_nor_log(service,
 
 def test_alert_actions_turn_events_into_one_save_and_a_stop_on_the_calling_thread(service, run_name, tmp_path):
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=ALERTS, strict=True)
-    actions = AlertActions.watch(monitor, interval=0.1)  # save on pending, stop on firing, TemplateCollapse
+    actions = monitor.act_on_alerts(interval=0.1)  # save on pending, stop on firing, TemplateCollapse
     polls_after(monitor, 1)
     assert actions.take(1) == Decision()  # nothing asked yet
     post_matrices(service.url, run_name, {1: False, 2: True})
@@ -171,7 +142,7 @@ def test_alert_actions_turn_events_into_one_save_and_a_stop_on_the_calling_threa
 
 def test_bad_filters_are_refused_and_a_disabled_monitor_watches_nothing(tmp_path):
     monitor = Monitor("http://127.0.0.1:9", "r", spool_dir=tmp_path)
-    with pytest.raises(ValueError, match="states must be among pending, firing, resolved, got fired"):
+    with pytest.raises(ValueError, match="states must be among pending, firing, resolved, dropped, got fired"):
         monitor.on_alert(print, states=("fired",))
     with pytest.raises(ValueError, match="interval must be a positive number"):
         monitor.on_alert(print, interval=0)

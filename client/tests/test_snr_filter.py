@@ -1,6 +1,7 @@
 """SNRFilter's settings are checked where the filter is built, naming the setting; FilterEngagement reads the
-alert events its watcher queued, engages once, and stays engaged. (The selections themselves are held to the
-service's in tests/unit/test_snr_filter_copies.py.)"""
+alert events its watcher queued, engages once, and stays engaged unless told to disengage. (The selections
+themselves are held to the service's in tests/unit/test_snr_filter_copies.py; engagement by a real service's
+alerts in test_engagement.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import pytest
 
 from collapse_monitor.alerts import AlertEvent
-from collapse_monitor.engagement import FilterEngagement, fan_out, union_filters
+from collapse_monitor.engagement import FilterEngagement
 from collapse_monitor.snr_filter import SNRFilter
 
 
@@ -39,8 +40,14 @@ from collapse_monitor.snr_filter import SNRFilter
         ({"variant": "upstream", "ddof": -1}, "SNRFilter ddof must be a whole number >= 0, got -1"),
         ({"selection_eps": -0.1}, "SNRFilter selection_eps must be a number >= 0, got -0.1"),
         ({"engage": "sometimes"}, "SNRFilter engage must be one of always, on_alert, got 'sometimes'"),
-        ({"states": ("burning",)}, "states must be among pending, firing, resolved, got burning"),
+        ({"states": ("burning",)}, "states must be among pending, firing, resolved, dropped, got burning"),
         ({"engage": "on_alert", "states": ()}, "SNRFilter states must name at least one of pending, firing, resolved"),
+        ({"disengage": "later"}, "SNRFilter disengage must be one of never, on_resolve, got 'later'"),
+        (
+            {"disengage": "on_resolve", "states": ("resolved",)},
+            "SNRFilter disengage='on_resolve' ends engagement at resolved or dropped: states must be among "
+            "pending, firing, got resolved",
+        ),
         ({"include_zero": "yes"}, "SNRFilter include_zero must be True, False or None, got 'yes'"),
     ],
 )
@@ -52,7 +59,8 @@ def test_a_bad_setting_is_refused_where_the_filter_is_built_naming_it(settings, 
 def test_defaults_are_ragens_and_zero_spread_groups_follow_the_variant():
     snr = SNRFilter()
     assert (snr.variant, snr.strategy, snr.value, snr.engage) == ("ragen", "top_p", 0.9, "always")
-    assert (snr.rules, snr.states) == (("LowRewardSignal", "TemplateCollapse"), ("pending",))
+    # engaged by a confirmed collapse, not a noisy step: TemplateCollapse firing, for good
+    assert (snr.rules, snr.states, snr.disengage) == (("TemplateCollapse",), ("firing",), "never")
     assert snr.keeps_zero_spread
     assert not SNRFilter(variant="upstream").keeps_zero_spread
     assert SNRFilter(variant="upstream", include_zero=True).keeps_zero_spread
@@ -70,35 +78,39 @@ def test_engagement_waits_for_a_chosen_rule_and_state_engages_once_and_logs_it(c
     assert not engagement.engaged
     engagement(event("TemplateCollapse", "pending"))  # another state
     engagement(event("EntropyCollapse", "firing"))  # another rule
-    assert engagement.update(4) is None
-    assert not engagement.engaged
+    assert not engagement.update(4)
     firing = event("TemplateCollapse", "firing", step=5)
     engagement(firing)
     engagement(event("TemplateCollapse", "firing", step=5, alert_id=2))  # a second sampler's episode
     with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
-        assert engagement.update(6) == firing
-    assert engagement.engaged
+        assert engagement.update(6)
     assert engagement.history == [(6, firing)]
     assert (
         "TemplateCollapse on sampler first_turn (critical) firing at step 5 (alert 1): SNR filter engaged at "
         in caplog.text
     )
     engagement(event("TemplateCollapse", "resolved", step=9))
-    assert engagement.update(10) is None
-    assert engagement.engaged  # once engaged, it stays engaged
+    assert engagement.update(10)  # once engaged, it stays engaged (disengage="never")
+
+
+def test_on_resolve_disengages_when_every_episode_that_engaged_it_ended_unless_a_rollback_pinned_it(caplog):
+    engagement = FilterEngagement(SNRFilter(engage="on_alert", states=("pending", "firing"), disengage="on_resolve"))
+    engagement(event("TemplateCollapse", "pending", step=3, alert_id=1))
+    engagement(event("TemplateCollapse", "pending", step=4, alert_id=2))  # a second sampler's episode
+    assert engagement.update(4)
+    engagement(event("TemplateCollapse", "dropped", step=3, alert_id=1))
+    assert engagement.update(5)  # the second episode is still open
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
+        engagement(event("TemplateCollapse", "resolved", step=4, alert_id=2))
+        assert not engagement.update(6)
+    assert "resolved at step 4 (alert 2): SNR filter disengaged at training step 6" in caplog.text
+    assert [(step, e.state) for step, e in engagement.history] == [(4, "pending"), (6, "resolved")]
+    engagement(event("TemplateCollapse", "firing", step=8, alert_id=3))
+    assert engagement.update(9)
+    engagement.engage(9, None, is_pinned=True)  # a rollback resumes with the filter engaged
+    engagement(event("TemplateCollapse", "resolved", step=8, alert_id=3))
+    assert engagement.update(10)
 
 
 def test_always_is_engaged_from_the_start():
     assert FilterEngagement(SNRFilter()).engaged
-
-
-def test_one_watcher_serves_several_callbacks_with_the_union_of_what_they_want():
-    seen: list[tuple[str, str]] = []
-    deliver = fan_out(lambda e: seen.append(("a", e.state)), lambda e: seen.append(("b", e.state)))
-    deliver(event("TemplateCollapse", "pending"))
-    assert seen == [("a", "pending"), ("b", "pending")]
-    assert union_filters((frozenset({"TemplateCollapse"}), {"pending"}), (("LowRewardSignal",), ("firing",))) == (
-        frozenset({"TemplateCollapse", "LowRewardSignal"}),
-        frozenset({"pending", "firing"}),
-    )
-    assert union_filters((None, {"pending"}), (("LowRewardSignal",), ("firing",)))[0] is None  # None: every rule

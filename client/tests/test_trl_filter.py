@@ -16,6 +16,7 @@ import logging
 import datasets
 import pytest
 import torch
+from alert_matrices import ALERTS, post_matrices
 from tiny_trainer import FIRE_AT_ONCE, NUM_GENERATIONS, ROOMS, grpo_config, paced_trainer, tiny_policy
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -217,15 +218,16 @@ def test_on_alert_the_filter_engages_for_the_step_after_the_alert_state_and_its_
     service, run_name, tmp_path, caplog
 ):
     """The run's TemplateCollapse holds from the first scored step (FIRE_AT_ONCE, the service's own rule on the
-    figures it scored from this trainer's batches): pending at step 1. Each step's reward function waits until
-    the previous step is scored and the watcher has looked twice (tiny_trainer.paced), as a real step outlasts
-    its scoring; the filter then acts from step 2 on, the step after the alert state."""
+    figures it scored from this trainer's batches): pending at step 1, firing at 2. Each step's reward function
+    waits until the previous step is scored and the watcher has looked twice (tiny_trainer.paced), as a real step
+    outlasts its scoring; the filter then acts from step 3 on, the step after the firing (pending does not engage
+    it by default)."""
     from collapse_monitor.integrations.trl import attach
 
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE, strict=True)
     args = grpo_config(tmp_path / "out", max_completion_length=8, max_steps=3, save_strategy="no")
     trainer = paced_trainer(monitor, args, ROOMS)
-    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert")  # LowRewardSignal or TemplateCollapse
+    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert")  # TemplateCollapse firing
     callback = attach(trainer, monitor, snr_filter=snr_filter, alert_poll_seconds=0.1)
     with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
         trainer.train()
@@ -233,17 +235,16 @@ def test_on_alert_the_filter_engages_for_the_step_after_the_alert_state_and_its_
 
     assert callback.snr_filter is not None
     [(step, event)] = callback.snr_filter.engagement.history
-    assert (step, event.state, event.step) == (2, "pending", 1)
-    assert event.rule in ("LowRewardSignal", "TemplateCollapse")
-    assert "SNR filter engaged at training step 2" in caplog.text
-    assert "SNR filter (ragen top_k_abs 1) keeps 1 of 2 groups (4 rows) for step 2" in caplog.text
+    assert (step, event.rule, event.state, event.step) == (3, "TemplateCollapse", "firing", 2)
+    assert "SNR filter engaged at training step 3" in caplog.text
+    assert "SNR filter (ragen top_k_abs 1) keeps 1 of 2 groups (4 rows) for step 3" in caplog.text
 
     def series(name: str) -> dict[int, float]:
         return {p["step"]: p["value"] for p in monitor.metrics([name], sampler="trainer")}
 
-    assert series("rollout/filter_engaged") == {1: 0.0, 2: 1.0, 3: 1.0}
-    assert series("rollout/filter_kept_count") == {1: 2.0, 2: 1.0, 3: 1.0}
-    assert series("rollout/filter_kept_rows") == {1: 8.0, 2: 4.0, 3: 4.0}
+    assert series("rollout/filter_engaged") == {1: 0.0, 2: 0.0, 3: 1.0}
+    assert series("rollout/filter_kept_count") == {1: 2.0, 2: 2.0, 3: 1.0}
+    assert series("rollout/filter_kept_rows") == {1: 8.0, 2: 8.0, 3: 4.0}
     # What TRL logged after each step followed its batch: the policy's own entropy among it.
     assert set(series("actor/entropy")) == {1, 2, 3}
     assert set(series("loss")) == {1, 2, 3}
@@ -288,56 +289,82 @@ def test_settings_the_filter_cannot_work_with_are_refused_at_install_naming_them
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 @pytest.mark.usefixtures("one_thread")
-def test_a_rollback_stops_at_firing_and_training_resumes_from_the_pending_checkpoint_with_the_filter_engaged(
+def test_a_rollback_returns_to_the_newest_checkpoint_before_the_onset_and_resumes_with_the_filter_engaged(
     service, run_name, tmp_path
 ):
-    """TemplateCollapse pending at step 1 (checkpoint-2 saved at the end of step 2), firing at 2: training stops at
-    the end of step 3 and resumes from checkpoint-2, as TRL resumes, with the filter engaged from then on."""
+    """TemplateCollapse (the service's rule on posted matrices) pending at step 3, firing at 4: training stops at
+    the end of step 5, the step that began after the firing was seen. A checkpoint every step, three kept, and
+    checkpoint-1 with them: its policy generated step 2's batch, the last before the onset (checkpoint-2's
+    generated step 3's). Training resumes from it, as TRL resumes, with the filter engaged from then on."""
+    from transformers import TrainerCallback
+
     from collapse_monitor.integrations.trl import attach
 
-    monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE, strict=True)
-    args = grpo_config(tmp_path / "out", max_completion_length=8, max_steps=4, save_strategy="no")
+    monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=ALERTS, strict=True)
+    out = tmp_path / "out"
+    args = grpo_config(out, max_completion_length=8, max_steps=5, save_strategy="steps", save_steps=1)
     trainer = paced_trainer(monitor, args, ROOMS)
-    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert", states=("resolved",))  # not before
-    callback = attach(
-        trainer,
-        monitor,
-        snr_filter=snr_filter,
-        save_on=("pending",),
-        rollback_on=("firing",),
-        alert_poll_seconds=0.1,
-    )
-    trainer.train()
-    assert trainer.state.global_step == 3
-    checkpoint = callback.take_rollback()
-    assert checkpoint == str(tmp_path / "out" / "checkpoint-2")
-    assert callback.take_rollback() is None  # handed back once
-    assert callback.snr_filter is not None
-    [(step, event)] = callback.snr_filter.engagement.history
-    assert (step, event.rule, event.state) == (3, "TemplateCollapse", "firing")
+    posted: set[int] = set()
 
+    class Collapse(TrainerCallback):
+        """The service scores each step's matrix with its batch: collapsed from step 3 on."""
+
+        def on_step_end(self, _args, state, _control, **_kwargs):
+            if state.global_step not in posted:
+                posted.add(state.global_step)
+                post_matrices(service.url, run_name, {state.global_step: state.global_step >= 3})
+
+    trainer.add_callback(Collapse())
+    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert")  # TemplateCollapse firing
+    callback = attach(trainer, monitor, snr_filter=snr_filter, rollback_on=("firing",), alert_poll_seconds=0.1)
+    trainer.train()
+    assert trainer.state.global_step == 5
+    checkpoint = callback.take_rollback()
+    assert checkpoint == str(out / "checkpoint-1")
+    assert callback.take_rollback() is None  # handed back once
+    # the three newest, and the one the rollback needs; checkpoint-2 deleted
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in (1, 3, 4, 5)]
+    assert callback.snr_filter is not None
+    [(step, event)] = callback.snr_filter.engagement.history  # engaged for step 5's batch, when firing was seen
+    assert (step, event.rule, event.sampler, event.state, event.onset_step) == (
+        5,
+        "TemplateCollapse",
+        "matrix",
+        "firing",
+        3,
+    )
+
+    trainer.args.max_steps = 3
     trainer.train(resume_from_checkpoint=checkpoint)
-    assert trainer.state.global_step == 4
+    assert trainer.state.global_step == 3
     assert monitor.flush(60)
-    # Steps 3 and 4 again, from the checkpoint: the service keeps the resumed history as the run's current one.
-    assert [b["step"] for b in service.payloads(run_name)] == [1, 2, 3, 3, 4]
+    # Steps 2 and 3 again, from the checkpoint: the service keeps the resumed history as the run's current one.
+    assert [b["step"] for b in service.payloads(run_name) if "trajectories" in b] == [1, 2, 3, 4, 5, 2, 3]
     engaged = {p["step"]: p["value"] for p in monitor.metrics(["rollout/filter_engaged"], sampler="trainer")}
-    assert engaged == {1: 0.0, 2: 0.0, 3: 1.0, 4: 1.0}
+    assert engaged == {1: 0.0, 2: 1.0, 3: 1.0}  # the resumed steps, engaged for good
     monitor.close()
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
-def test_a_rollback_needs_the_filter_and_a_checkpoint_saved_at_pending(service, run_name, tmp_path, policy):
+def test_a_rollback_needs_the_filter_and_the_trainers_own_checkpoints(service, run_name, tmp_path, policy):
     from collapse_monitor.integrations.trl import attach
 
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path, enabled=False)
-    trainer = make_trainer("grpo", policy, tmp_path / "out")
+    trainer = make_trainer("grpo", policy, tmp_path / "out", save_strategy="steps", save_steps=1)
     with pytest.raises(ValueError, match=r"rollback_on resumes training with the SNR filter engaged: pass snr_filter"):
-        attach(trainer, monitor, save_on=("pending",), rollback_on=("firing",))
-    with pytest.raises(ValueError, match="add 'pending' to save_on"):
+        attach(trainer, monitor, rollback_on=("firing",))
+    with pytest.raises(ValueError, match="states must be among pending, firing, resolved, dropped, got burning"):
+        attach(trainer, monitor, snr_filter=KEEP_TWO, rollback_on=("burning",))
+    with pytest.raises(ValueError, match="rollback_keep must be a whole number of checkpoints >= 1, got 0"):
+        attach(trainer, monitor, snr_filter=KEEP_TWO, rollback_on=("firing",), rollback_keep=0)
+    trainer.args.save_total_limit = 2
+    with pytest.raises(
+        ValueError, match=r"rollback_on keeps its own checkpoints .* leave save_total_limit unset, got 2"
+    ):
         attach(trainer, monitor, snr_filter=KEEP_TWO, rollback_on=("firing",))
-    with pytest.raises(ValueError, match="states must be among pending, firing, resolved, got burning"):
-        attach(trainer, monitor, snr_filter=KEEP_TWO, save_on=("pending",), rollback_on=("burning",))
+    no_saves = make_trainer("grpo", policy, tmp_path / "out")
+    with pytest.raises(ValueError, match="set save_strategy='steps' and save_steps"):
+        attach(no_saves, monitor, snr_filter=KEEP_TWO, rollback_on=("firing",))
 
 
 def flat_reward(completion_ids, **_kwargs):

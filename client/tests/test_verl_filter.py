@@ -117,11 +117,11 @@ def test_what_the_filter_cannot_work_with_is_refused_naming_it(tokenizer):
 
 
 def test_on_alert_the_filter_engages_at_the_first_step_after_a_real_alert_state(service, run_name, tmp_path, tokenizer):
-    """The run's TemplateCollapse holds from its first scored step (FIRE_AT_ONCE): pending at step 1. Each
-    step waits until the previous one is scored and the watcher has looked twice, as a real step outlasts
-    its scoring; the filter engages at step 2, with no network call of its own."""
+    """The run's TemplateCollapse holds from its first scored step (FIRE_AT_ONCE): pending at step 1, firing at 2.
+    Each step waits until the previous one is scored and the watcher has looked twice, as a real step outlasts
+    its scoring; the filter engages at step 3, the step after the firing, with no network call of its own."""
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path, alerts=FIRE_AT_ONCE, strict=True)
-    snr = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert", rules=("TemplateCollapse",))
+    snr = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert")  # TemplateCollapse firing
     engagement = FilterEngagement.watch(monitor, snr, interval=0.1)
     engaged = []
     for step in (1, 2, 3):
@@ -137,10 +137,10 @@ def test_on_alert_the_filter_engages_at_the_first_step_after_a_real_alert_state(
         monitor.figures(step, filtered.figures)
         assert monitor.flush(30)
         engaged.append((filtered.engaged, len(filtered.kept_rows)))
-    assert engaged == [(False, 12), (True, 4), (True, 4)]
+    assert engaged == [(False, 12), (False, 12), (True, 4)]
     [(step, event)] = engagement.history
-    assert (step, event.rule, event.state, event.step) == (2, "TemplateCollapse", "pending", 1)
+    assert (step, event.rule, event.state, event.step) == (3, "TemplateCollapse", "firing", 2)
     stored = {p["step"]: p["value"] for p in monitor.metrics(["rollout/filter_engaged"], sampler="trainer")}
-    assert stored == {1: 0.0, 2: 1.0, 3: 1.0}
+    assert stored == {1: 0.0, 2: 0.0, 3: 1.0}
     assert [len(p["trajectories"]) for p in service.payloads(run_name)] == [12, 12, 12]
     monitor.close()

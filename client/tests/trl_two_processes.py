@@ -34,7 +34,8 @@ def main() -> None:
         os.environ["URL"], os.environ["RUN"], spool_dir=os.path.join(os.environ["OUT"], "spool"), alerts=FIRE_AT_ONCE
     )
     trainer = paced_trainer(monitor, args, prompts)
-    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert", rules=("TemplateCollapse",))
+    # engaged at pending (the default waits for firing): the ranks must follow the main one a step before they stop
+    snr_filter = SNRFilter(strategy="top_k_abs", value=1, engage="on_alert", states=("pending",))
     callback = attach(
         trainer, monitor, save_on=("pending",), stop_on=("firing",), alert_poll_seconds=0.1, snr_filter=snr_filter
     )

@@ -39,11 +39,13 @@ with several processes, broadcast from the main process so that every rank saves
 
 The SNR filter: ``snr_filter=SNRFilter(...)`` installs it (``integrations/trl_filter.py``); its figures
 ride with each step's batch, and what TRL logs after the step (its losses, rewards, the policy's entropy
-as ``actor/entropy``) follows in a small post (``Monitor.figures``). ``engage="on_alert"`` is fed by the
-same watcher as ``save_on``/``stop_on``. ``rollback_on`` stops at an alert state and hands back the
-checkpoint saved at ``pending``: TRL cannot reload a checkpoint in the middle of ``train()``, so the
-rollback is its resume, ``trainer.train(resume_from_checkpoint=callback.take_rollback())``, with the filter
-engaged.
+as ``actor/entropy``) follows in a small post (``Monitor.figures``). ``engage="on_alert"`` reads the
+monitor's one alert watcher, as ``save_on``/``stop_on`` do. ``rollback_on`` stops at an alert state and
+hands back the newest checkpoint whose policy generated a batch before the episode's onset
+(``integrations/trl_rollback.py``; the trainer's own saves, ``save_steps``, of which the
+``rollback_keep`` newest are kept): TRL cannot reload a checkpoint in the middle of ``train()``, so the
+rollback is its resume, ``trainer.train(resume_from_checkpoint=callback.take_rollback())``, with the
+filter engaged.
 
 The trainer's trackers: when ``report_to`` names TensorBoard, Trackio or W&B, the main process writes
 each scored step's figures (``collapse/...``) into them at the step they belong to, fetched every
@@ -63,10 +65,11 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from collapse_monitor.alerts import AlertActions, AlertEvent, check_filters
+from collapse_monitor.alerts import STATES, AlertActions, AlertEvent, check_filters
 from collapse_monitor.conversations import assistant_turns, is_conversation
-from collapse_monitor.engagement import FilterEngagement, fan_out, union_filters
+from collapse_monitor.engagement import FilterEngagement
 from collapse_monitor.integrations.trl_filter import TRLSNRFilter, install_snr_filter
+from collapse_monitor.integrations.trl_rollback import ROLLBACK_KEEP, CheckpointKeeper, checkpoint_before
 from collapse_monitor.integrations.trl_trackers import feed_trackers
 from collapse_monitor.monitor import Monitor
 from collapse_monitor.snr_filter import FIGURE_NAMES, SNRFilter
@@ -104,6 +107,7 @@ def attach(
     snr_filter: SNRFilter | None = None,
     rollback_on: Collection[str] = (),
     tracker_poll_seconds: float = 10.0,
+    rollback_keep: int = ROLLBACK_KEEP,
 ) -> CollapseMonitorCallback:
     """Sends ``trainer``'s generation batches to ``monitor``; returns the callback it added.
 
@@ -112,9 +116,12 @@ def attach(
     an alert of ``rules`` (None: every rule) enters them; see the module docstring. ``snr_filter``
     installs the SNR filter (``collapse_monitor.integrations.trl_filter``); with ``engage="on_alert"``
     it acts from the step after an alert of its ``rules`` entered one of its ``states``.
-    ``rollback_on`` (alert states; needs ``snr_filter`` and "pending" in ``save_on``): stop when an
-    alert of ``rules`` enters one, engage the filter, and hand back the checkpoint saved when the alert
-    was pending (``take_rollback()``) to resume from, as TRL resumes: ``trainer.train(resume_from_checkpoint=...)``.
+    ``rollback_on`` (alert states; needs ``snr_filter`` and the trainer's checkpoints, ``save_strategy``
+    "steps"): stop when an alert of ``rules`` enters one, engage the filter, and hand back the newest
+    checkpoint whose policy generated a batch before the alert's onset step (``take_rollback()``) to
+    resume from, as TRL resumes: ``trainer.train(resume_from_checkpoint=...)``. Its checkpoints are
+    pruned to the ``rollback_keep`` newest and the newest before an open alert's onset (in place of
+    ``save_total_limit``, which would delete that one).
     ``tracker_poll_seconds``: how often the scored figures are fetched for the trackers ``report_to`` names.
 
     Raises:
@@ -124,35 +131,37 @@ def attach(
     for name in ("reward_funcs", "num_generations", "processing_class", "state", "accelerator"):
         if not hasattr(trainer, name):
             raise TypeError(f"attach() needs a TRL GRPOTrainer or RLOOTrainer; {type(trainer).__name__} has no {name}")
+    keeper = None
     if rollback_on:
         if snr_filter is None:
             raise ValueError("rollback_on resumes training with the SNR filter engaged: pass snr_filter=SNRFilter(...)")
-        if "pending" not in save_on:
-            raise ValueError(
-                "rollback_on returns to the checkpoint saved when the alert became pending: add 'pending' to save_on"
-            )
         check_filters(None, rollback_on)  # an unknown state raises
+        args = trainer.args
+        if str(getattr(args.save_strategy, "value", args.save_strategy)) != "steps":
+            raise ValueError(
+                "rollback_on returns to a checkpoint saved before the alert's onset: set save_strategy='steps' "
+                f"and save_steps (every few steps), got save_strategy={args.save_strategy!r}"
+            )
+        if args.save_total_limit is not None:
+            raise ValueError(
+                "rollback_on keeps its own checkpoints (the rollback_keep newest, and the newest before an open "
+                f"alert's onset, which save_total_limit would delete): leave save_total_limit unset, got "
+                f"{args.save_total_limit}"
+            )
+        keeper = CheckpointKeeper(args.output_dir, rollback_keep)
     stops = (*stop_on, *rollback_on)
     actions = AlertActions(save_on=save_on, stop_on=stops, rules=rules) if save_on or stops else None
     snr = None
     if snr_filter is not None:
         snr = install_snr_filter(trainer, snr_filter, FilterEngagement(snr_filter))
-    watched: list[tuple[Any, tuple[Iterable[str] | None, Iterable[str]]]] = []
-    if actions is not None:
-        watched.append((actions, (actions.rules, actions.states)))
-    if snr is not None and snr_filter is not None and snr_filter.engage == "on_alert":
-        watched.append((snr.engagement, (snr_filter.rules, snr_filter.states)))
-    if watched and trainer.accelerator.is_main_process:
-        # One watcher for the save, stop and filter decisions: one poll of the run's alerts serves them all.
-        wanted_rules, wanted_states = union_filters(*(wanted for _, wanted in watched))
-        watcher = monitor.on_alert(
-            fan_out(*(callback for callback, _ in watched)),
-            rules=wanted_rules,
-            states=wanted_states,
-            interval=alert_poll_seconds,
-        )
-        for callback, _ in watched:
-            callback.watcher = watcher
+    if trainer.accelerator.is_main_process:
+        # The monitor's one alert watcher feeds them all; the other processes follow the main one's decisions.
+        if actions is not None and actions.states:
+            monitor.on_alert(actions, rules=actions.rules, states=actions.states, interval=alert_poll_seconds)
+        if keeper is not None:
+            monitor.on_alert(keeper, rules=rules, states=STATES, interval=alert_poll_seconds)
+        if snr is not None and snr_filter is not None and snr_filter.engage == "on_alert":
+            snr.engagement.subscribe(monitor, alert_poll_seconds)
     callback = CollapseMonitorCallback(
         trainer,
         monitor,
@@ -162,6 +171,7 @@ def attach(
         actions,
         snr_filter=snr,
         rollback_on=rollback_on,
+        keeper=keeper,
     )
     trainer.add_callback(callback)
     feed_trackers(trainer, monitor, tracker_poll_seconds, flush_timeout)
@@ -181,14 +191,14 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         alert_actions: AlertActions | None = None,
         snr_filter: TRLSNRFilter | None = None,
         rollback_on: Collection[str] = (),
+        keeper: CheckpointKeeper | None = None,
     ) -> None:
         self.trainer = trainer
         self.alert_actions = alert_actions
         self.snr_filter = snr_filter
         self.rollback_on = frozenset(rollback_on)
         self.rollback_to: str | None = None  # the checkpoint a rollback asked to resume from (take_rollback)
-        self._alert_save = False  # the next save is the one an alert asked for
-        self._alert_checkpoint: str | None = None  # the folder of the newest such save
+        self.keeper = keeper
         self._sent_step: int | None = None  # the step of the last batch sent: logged figures join it
         self._warned_unsent = False
         self.monitor = monitor
@@ -309,33 +319,41 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
         assert self.alert_actions is not None
         decision = self.alert_actions.take(state.global_step)  # only the main process's queue is fed
         rollback = next((e for e in decision.events if e.state in self.rollback_on), None)
-        flags = [decision.save, decision.stop, rollback is not None and self._alert_checkpoint is not None]
+        target = None
+        if rollback is not None:  # the main process: the keeper kept the checkpoint it needs
+            target = checkpoint_before(self.trainer.args.output_dir, rollback.onset_step)
+            if target is None:
+                logger.error(
+                    "collapse-monitor: %s: no checkpoint of a policy from before onset step %d is left in %s; "
+                    "training stops without a rollback (save more often: save_steps)",
+                    rollback.describe(),
+                    rollback.onset_step,
+                    self.trainer.args.output_dir,
+                )
+        flags: list[Any] = [decision.save, decision.stop, target]
         if self.trainer.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             flags = broadcast_object_list(flags, from_process=0)  # a collective: every rank, every step
         if flags[0]:
             control.should_save = True
-            self._alert_save = True
         if flags[1]:
             control.should_training_stop = True
-        if flags[2]:
-            self._roll_back(state.global_step, rollback)
+        if flags[2] is not None:
+            self._roll_back(state.global_step, rollback, flags[2])
 
-    def _roll_back(self, step: int, event: AlertEvent | None) -> None:
+    def _roll_back(self, step: int, event: AlertEvent | None, target: str) -> None:
         """Stops here (the decision above) with the filter engaged; ``take_rollback`` gives the checkpoint to resume."""
         assert self.snr_filter is not None
-        engagement = self.snr_filter.engagement
-        if not engagement.engaged:
-            if event is not None:  # the main process: the event is logged and kept in the history
-                engagement.engage(step, event)
-            engagement.engaged = True
-        self.rollback_to = self._alert_checkpoint
+        self.snr_filter.engagement.engage(step, event, is_pinned=True)  # event None: another rank's
+        self.rollback_to = target
         logger.warning(
-            "collapse-monitor: rolling back: training stops at step %d; resume from %s "
-            "(trainer.train(resume_from_checkpoint=callback.take_rollback())) with the SNR filter engaged",
+            "collapse-monitor: rolling back: training stops at step %d; resume from %s, the newest checkpoint "
+            "before onset step %s (trainer.train(resume_from_checkpoint=callback.take_rollback())) with the SNR "
+            "filter engaged",
             step,
-            self.rollback_to,
+            target,
+            "?" if event is None else event.onset_step,
         )
 
     def take_rollback(self) -> str | None:
@@ -345,8 +363,8 @@ class CollapseMonitorCallback(TrainerCallback):  # type: ignore[misc]  # transfo
 
     def on_save(self, args: Any, state: Any, _control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if self._alert_save:  # every rank: the checkpoint a rollback returns to
-            self._alert_save, self._alert_checkpoint = False, folder
+        if self.keeper is not None and state.is_world_process_zero:
+            self.keeper.prune(protected=(state.best_model_checkpoint, self.rollback_to))
         if not (self.announce_checkpoints and state.is_world_process_zero):
             return
         is_lora = hasattr(kwargs.get("model"), "peft_config")

@@ -176,19 +176,18 @@ class TRLSNRFilter:
 
     def _engaged(self) -> bool:
         """Whether the filter acts on this generation batch: alerts the watcher queued since the last batch are
-        read now, so an alert seen while the previous step trained engages the filter for this one."""
-        engagement = self.engagement
-        if engagement.engaged or self.snr_filter.engage != "on_alert":
+        read now, so an alert seen while the previous step trained engages (or disengages) the filter for this one."""
+        engagement, f = self.engagement, self.snr_filter
+        if f.engage != "on_alert" or (engagement.engaged and f.disengage == "never"):
             return engagement.engaged
         step = self.trainer.state.global_step + 1  # the optimizer step this batch trains
-        flags = [engagement.update(step) is not None]  # only the main process's watcher feeds the queue
+        flags = [engagement.update(step)]  # only the main process's watcher feeds the queue
         if self.trainer.accelerator.num_processes > 1:
             from accelerate.utils import broadcast_object_list
 
             # A collective inside TRL's generation, which every rank runs at the same point.
             flags = broadcast_object_list(flags, from_process=0)
-        if flags[0]:
-            engagement.engaged = True  # the other ranks follow the main one
+        engagement.engaged = bool(flags[0])  # the other ranks follow the main one
         return engagement.engaged
 
     def _compute_loss(self, compute: Callable[..., Any], model: Any, inputs: dict[str, Any]) -> Any:

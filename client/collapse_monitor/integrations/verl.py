@@ -89,10 +89,11 @@ def watch_alerts(
 ) -> AlertActions:
     """Watches the run's alerts in the background; the loop asks ``should_stop(step)`` / ``should_save(step)``.
 
-    Neither call touches the network: they read what the watcher thread queued (see the module
-    docstring for where they go in ``RayPPOTrainer.fit``).
+    Neither call touches the network: they read what the monitor's alert watcher queued (see the module
+    docstring for where they go in ``RayPPOTrainer.fit``). The same decisions as ``monitor.should_stop()``:
+    ``Monitor.act_on_alerts`` with these settings.
     """
-    return AlertActions.watch(monitor, save_on=save_on, stop_on=stop_on, rules=rules, interval=interval)
+    return monitor.act_on_alerts(save_on=save_on, stop_on=stop_on, rules=rules, interval=interval)
 
 
 def log_batch(
