@@ -227,7 +227,10 @@ def trajectories_of(episodes: list[dict[str, Any]], rewards: list[float]) -> lis
 FILTERS = {  # the remedy trial's selections (envs.REMEDY_FILTERS), by the client's own SNRFilter
     "ragen-linear": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "linear"},
     "ragen-softmax": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "softmax"},
-    "on-alert": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "softmax"},
+    # What docs/alerts.md advises (SNRFilter's defaults: linear). It was softmax until 2026-12-06, before any
+    # on-alert arm was trained: remedy-ragen-softmax-s0 showed softmax top_p 0.9 keeps all 8 groups of a step
+    # here (spreads of rewards in [0, 1] make it near uniform), so the arm would have tested nothing.
+    "on-alert": {"strategy": "top_p", "value": 0.9, "top_p_prob_mode": "linear"},
     # DAPO's dynamic sampling, without refilling: every group kept but those whose rewards do not spread
     "dapo": {"variant": "upstream", "strategy": "top_p", "value": 1.0, "include_zero": False},
 }

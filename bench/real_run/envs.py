@@ -326,7 +326,8 @@ class RemedyArm:
 # The remedy trial (issue 36, item 4): the reverse task with half its prompts hidden (low SNR), paired on
 # seeds: no filter, RAGEN's top_p 0.9 in its linear and softmax modes (the paper ran softmax), dropping only
 # zero-spread groups (DAPO), advantages not divided by the group's std (the mechanism control), and the
-# softmax filter engaged by TemplateCollapse firing, scored as the service scores it, every step.
+# linear filter (SNRFilter's default) engaged by TemplateCollapse firing, scored as the service scores it,
+# every step.
 REMEDY = AgentArm("reverse", "remedy", 1e-3, hard=True, entropy_coef=0.003)
 REMEDY_FILTERS = ("none", "ragen-linear", "ragen-softmax", "dapo", "unscaled", "on-alert")
 REMEDY_ARMS = {f"remedy-{f}-s{seed}": RemedyArm(f, seed) for seed in (0, 1, 2) for f in REMEDY_FILTERS}
