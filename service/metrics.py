@@ -124,6 +124,11 @@ EXPORTED = (
         "1 when the trainer's SNR filter acted on the step (sampler trainer).",
     ),
     Exported(
+        "rollout/filter_skipped",
+        "filter_skipped",
+        "1 when the trainer's SNR filter kept no group, so the trainer skipped the optimizer step (sampler trainer).",
+    ),
+    Exported(
         "rollout/chosen_in_group_reward_std",
         "filter_kept_reward_std",
         "Mean in-group reward std of the groups the SNR filter keeps (sampler all: advice; trainer: kept).",

@@ -101,6 +101,8 @@ const CHARTS = [
     series: [
       { name: "rollout/filter_kept_ratio", sampler: TRAINER, label: "kept share (trainer)", color: "#1a7f37", scale: "ratio" },
       { name: "rollout/filter_engaged", sampler: TRAINER, label: "engaged", color: "#cf222e", scale: "ratio", dash: [2, 3] },
+      // 1 on a step whose filter kept no group: the trainer skipped its optimizer step (RAGEN stops after 5 in a row).
+      { name: "rollout/filter_skipped", sampler: TRAINER, label: "step skipped (no group kept)", color: "#8250df", scale: "ratio", dash: [1, 2] },
       { name: "rollout/filter_kept_ratio", sampler: ALL, label: "kept share (run's filter advice)", color: "#6e7781", scale: "ratio", dash: [6, 4] },
       { name: "rollout/chosen_in_group_reward_std", sampler: TRAINER, label: "reward std, kept", color: "#0969da" },
       { name: "rollout/dropped_in_group_reward_std", sampler: TRAINER, label: "reward std, dropped", color: "#bc4c00" },

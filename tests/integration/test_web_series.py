@@ -67,6 +67,7 @@ def test_every_series_the_pages_draw_is_stored_for_a_scored_run(database_url, cl
         "rollout/filter_kept_rows": 9.0,
         "rollout/chosen_in_group_reward_std": 0.5,
         "rollout/dropped_in_group_reward_std": 0.0,
+        "rollout/filter_skipped": 0.0,
     }
     accepted = client.post("/v1/runs/drawn/batches", json={"step": 1, "trajectories": sent, "figures": figures})
     assert accepted.status_code == 202, accepted.text
