@@ -13,8 +13,9 @@ every pair's whole length (``scoring.budget.pair_cost``): vLLM computes prompt l
 prefix cache, so each pair re-prefills its prompt.
 
 Failures: a server that does not answer (connection refused, a timeout, a 5xx) after ``retries``
-tries raises ``ScorerUnavailable``: the worker puts the batch back in the queue, uncounted, and
-scores it whole later (nothing of a half-scored batch is written). A 4xx (too long for the
+tries raises ``ScorerUnavailable``: the worker puts the batch back in the queue, uncounted, opens
+the scorer's circuit breaker and ``probe``s the server until it answers, then scores the batch whole
+(nothing of a half-scored batch is written). A 4xx (too long for the
 server's context, a model it does not serve) fails the batch with the server's message. Must not
 import fastapi.
 """
@@ -290,6 +291,40 @@ def load_vllm_scorer(
         scorer.close()
         raise
     return scorer
+
+
+# The breaker's probe: GET /v1/models answers in milliseconds from a live server, in a few KB.
+PROBE_SECONDS = 5.0
+PROBE_ANSWER_BYTES = 2**20
+
+
+def probe(endpoint: VllmEndpoint, timeout_seconds: float) -> str | None:
+    """None when the server at ``endpoint`` answers ``GET /v1/models`` with a JSON object within
+    ``timeout_seconds`` in all; otherwise why not (the worker's circuit breaker asks this while a scorer
+    is down, in a thread of its own, holding no batch)."""
+    deadline = time.monotonic() + timeout_seconds
+    answer = bytearray()
+    try:
+        with (
+            httpx.Client(base_url=endpoint.url, timeout=timeout_seconds, trust_env=False) as http,
+            http.stream("GET", "/v1/models", headers={"Accept-Encoding": "identity"}) as response,
+        ):
+            for chunk in response.iter_raw():
+                answer += chunk
+                if len(answer) > PROBE_ANSWER_BYTES:
+                    return f"answer larger than {PROBE_ANSWER_BYTES} bytes"
+                if time.monotonic() > deadline:
+                    return f"answer not complete within {timeout_seconds:g} s"
+            status = response.status_code
+    except httpx.HTTPError as e:  # refused, reset, no byte within the deadline
+        return f"{type(e).__name__}: {e}"
+    if status != 200:
+        return f"{status}: {_message(bytes(answer))}"
+    try:
+        data = json.loads(answer)
+    except ValueError:
+        data = None
+    return None if isinstance(data, dict) else f"{status} that is not a JSON object: {bytes(answer[:120])!r}"
 
 
 def _requests(
