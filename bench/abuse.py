@@ -748,11 +748,11 @@ def anonymous_body(megabytes: int) -> dict:
 
 
 # Issue 38, items 1, 2 and 5 (the service side). One vector: a vLLM scorer that hangs.
-def _scored_pace(srv: Server, run: str, batches: int) -> float:
+def _scored_pace(srv: Server, run: str, batches: int, first_step: int = 1) -> float:
     """Batches of ``run`` scored a second: ``batches`` posted at once, timed until the last is done."""
     ids = [
         httpx.post(srv.base + f"/v1/runs/{run}/batches", json=_trajectories_batch(step), timeout=60).json()["batch_id"]
-        for step in range(1, batches + 1)
+        for step in range(first_step, first_step + batches)
     ]
     start = time.perf_counter()
     for batch_id in ids:
@@ -780,7 +780,6 @@ def hanging_scorer(batches: int) -> dict:
             "SCORERS": json.dumps({"tiny-random": "tiny-random", "stuck": spec}),
             "VLLM_TIMEOUT_SECONDS": "2",
             "VLLM_RETRIES": "1",
-            "MAX_ATTEMPTS": "1000",  # the stuck batches keep being probed for the whole measurement
         }
         paces = {}
         for stuck_batches in (0, 1):
@@ -795,11 +794,16 @@ def hanging_scorer(batches: int) -> dict:
                     ).json()["batch_id"]
                 paces[stuck_batches] = _scored_pace(srv, "ok", batches)
                 if stuck_batches:
+                    # Again, the breaker open from the start: the pace while the scorer stays down, without the
+                    # one hold of the worker by the try that found it down (``connect``: one probe deadline).
+                    paces[2] = _scored_pace(srv, "ok", batches, first_step=batches + 1)
                     stuck = httpx.get(srv.base + f"/v1/batches/{stuck_id}", timeout=60).json()
         return {
             "alone_batches_per_second": round(paces[0], 2),
             "beside_hanging_scorer_batches_per_second": round(paces[1], 2),
             "pace_ratio": round(paces[1] / paces[0], 2),
+            "beside_open_breaker_batches_per_second": round(paces[2], 2),
+            "open_breaker_pace_ratio": round(paces[2] / paces[0], 2),
             "hung_requests": hung.tries,
             "stuck_batch": {"status": stuck["status"], "error": (stuck["error"] or "")[:200]},
         }

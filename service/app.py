@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -52,12 +52,14 @@ from service.storage.database import STORAGE_FULL, first_line, make_engine, make
 from service.storage.points import latest_values
 from service.storage.queue import batch_counts, scoring_stats
 from service.storage.readiness import DatabaseProbe
+from service.storage.scorer_outages import scorers_down
 
 log = logging.getLogger("collapse_monitor")
 
 
-def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
-    """What /metrics exports, read in one session (``SnapshotCache`` keeps it for metrics_cache_seconds)."""
+def read_snapshot(sessions: sessionmaker[Session], scorers: Iterable[str] = ()) -> MetricsSnapshot:
+    """What /metrics exports, read in one session (``SnapshotCache`` keeps it for metrics_cache_seconds);
+    ``scorers``: the named scorers, each exported up unless a worker found it down."""
     with sessions() as session:
         return MetricsSnapshot(
             latest=list(latest_values(session)),
@@ -66,6 +68,8 @@ def read_snapshot(sessions: sessionmaker[Session]) -> MetricsSnapshot:
             buckets=SCORING_SECONDS_BUCKETS,
             alerts=active_alerts(session),
             deliveries=delivery_counts(session),
+            scorers=tuple(scorers),
+            scorers_down=tuple(scorers_down(session)),
         )
 
 
@@ -95,7 +99,7 @@ def create_app(settings: Settings) -> FastAPI:
             bodies=BodyBudget(settings.max_parsing_bytes),
             ingest_limits=IngestLimits.of(settings),
         )
-        snapshot = SnapshotCache(lambda: read_snapshot(sessions), settings.metrics_cache_seconds)
+        snapshot = SnapshotCache(lambda: read_snapshot(sessions, settings.scorers), settings.metrics_cache_seconds)
         registry.register(DiagnosticsCollector(snapshot, settings.max_exported_series, snapshot_outage))
         app.state.monitor = state
         worker = _embedded_worker(state) if settings.embedded_worker and not settings.scoring_paused else None

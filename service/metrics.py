@@ -35,6 +35,10 @@ SCORING_SECONDS_BUCKETS = (
     300.0,
 )  # the histogram's bounds
 log = logging.getLogger("collapse_monitor.metrics")
+SCORER_UP_HELP = (
+    "0 while a worker finds the named scorer's server not answering (its runs' batches wait, then fail after "
+    "scorer_outage_seconds), else 1."
+)
 
 
 @dataclass(frozen=True)
@@ -184,6 +188,8 @@ class MetricsSnapshot:
     buckets: tuple[float, ...] = field(default=())
     alerts: list[tuple[str, str, str, str, str]] = field(default_factory=list)  # run, sampler, rule, severity, state
     deliveries: list[tuple[str, str, int]] = field(default_factory=list)  # receiver, status, count
+    scorers: tuple[str, ...] = ()  # the named scorers configured
+    scorers_down: tuple[str, ...] = ()  # those a worker last found not answering (storage.scorer_outages)
 
 
 class ServiceMetrics:
@@ -385,6 +391,10 @@ def _service(snapshot: MetricsSnapshot) -> Iterator[Metric]:
     if stats["recent_tokens_per_second"] is not None:
         speed.add_metric([], float(stats["recent_tokens_per_second"]))
     yield speed
+    up = GaugeMetricFamily(f"{NAMESPACE}_scorer_up", SCORER_UP_HELP, labels=["scorer"])
+    for name in sorted({*snapshot.scorers, *snapshot.scorers_down}):
+        up.add_metric([name], 0.0 if name in snapshot.scorers_down else 1.0)
+    yield up
 
 
 def _alerts(snapshot: MetricsSnapshot) -> Iterator[Metric]:
@@ -435,6 +445,7 @@ def catalogue_markdown() -> str:
         f"| `{NAMESPACE}_scoring_duration_seconds` | histogram | Wall time to score one batch. |",
         f"| `{NAMESPACE}_scored_tokens_total` | counter | Tokens run through scorer models. |",
         f"| `{NAMESPACE}_scorer_tokens_per_second` | gauge | Scorer throughput over the last 20 scored batches. |",
+        f"| `{NAMESPACE}_scorer_up` | gauge (`scorer`) | {SCORER_UP_HELP} |",
         f"| `{NAMESPACE}_requests_total` | counter (`method`, `route`, `status`) | HTTP requests of this process. |",
         f"| `{NAMESPACE}_rejections_total` | counter (`reason`) | Requests refused, by reason. |",
         f"| `{NAMESPACE}_segments_started_total` | counter (`stream`) | Batches (`rollouts`, `matrix`) whose step went "

@@ -135,7 +135,16 @@ class Settings(BaseSettings):
         3,
         ge=0,
         description="vLLM scorers: tries after the first of a request the server does not answer (refused, timed out, "
-        "5xx); then the batch goes back to the queue, uncounted, and is scored once the server answers.",
+        "5xx); then the batch goes back to the queue, uncounted, the worker claims none of the scorer's batches "
+        "until a probe (GET /v1/models) finds the server answering, and scores it then.",
+    )
+    scorer_outage_seconds: float = Field(
+        600.0,
+        gt=0,
+        description="vLLM scorers: how long a scorer's server may stay down (as the worker that found it down "
+        "measures, from its first failed request) before the batches waiting for it fail with its last error; "
+        "until then they wait, so a server restart of a few minutes fails nothing. While it stays down past "
+        "this, its runs' new batches fail at once, until a probe finds it answering.",
     )
     checkpoint_root: Path | None = Field(
         None, description="Policy checkpoints announced by trainers must lie under this folder; none when unset."
@@ -163,7 +172,8 @@ class Settings(BaseSettings):
         3,
         ge=1,
         description="Scorings of a batch interrupted by a worker's crash before the batch is marked failed (a "
-        "shutdown or a database outage does not count; a batch that cannot be scored fails at once).",
+        "shutdown, a database outage or a scorer's server that does not answer does not count: "
+        "scorer_outage_seconds bounds that; a batch that cannot be scored fails at once).",
     )
     max_scoring_seconds: float = Field(
         600.0,

@@ -10,7 +10,7 @@ import json
 import socket
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -24,17 +24,23 @@ class Misbehaving(BaseHTTPRequestHandler):
     def log_message(self, *_: object) -> None:  # quiet: pytest shows stderr of failing tests
         pass
 
-    def do_GET(self) -> None:  # /v1/models, the first request of a scorer's load
+    def do_GET(self) -> None:  # /v1/models, the first request of a scorer's load and the breaker's probe
         self.server.tries += 1
         if self.server.mode == "hang":
             self.server.release.wait(60)
             return
-        self._send(503, b'{"error": {"message": "only hang is served to GET"}}')
+        if self.server.mode == "html":
+            return self._send(200, b"<html><body>502 Bad Gateway (proxy)</body></html>", "text/html")
+        if self.server.mode == "ok":
+            return self._send(200, json.dumps({"data": [{"id": "m", "max_model_len": 2048}]}).encode())
+        self._send(503, b'{"error": {"message": "engine is restarting"}}')
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         mode = self.server.mode
         self.server.tries += 1
+        if self.path == "/tokenize" and mode == "ok" and self.server.tokenize is not None:
+            return self._send(200, json.dumps({"tokens": self.server.tokenize(body["prompt"])}).encode())
         if mode == "hang":
             self.server.release.wait(60)
             return
@@ -105,6 +111,7 @@ class MisbehavingServer(ThreadingHTTPServer):
     daemon_threads = True
     mode = "ok"
     tries = 0
+    tokenize: Callable[[str], list[int]] | None = None  # answers POST /tokenize as the scorer's tokenizer would
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), Misbehaving)

@@ -29,8 +29,12 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> JSONResponse:
     """Ready when the database answers and is migrated and, with an embedded worker, the default scorer is loaded.
 
-    Answers within a second whatever the database does. Async and without the State dependency,
-    whose sync function would wait for the thread pool that a hung database may have filled.
+    ``scorers_down`` names the scorers a worker found not answering (since when, the last error) but does
+    not make the service unready: it still takes every run's batches, and the other scorers' runs are
+    scored; a 503 would take the whole service out of its load balancer for one scorer's server
+    (``collapse_monitor_scorer_up`` is the metric to alert on). Answers within a second whatever the
+    database does. Async and without the State dependency, whose sync function would wait for the thread
+    pool that a hung database may have filled.
     """
     state: AppState = request.app.state.monitor
     checks: dict[str, Any] = {"database": await state.database_probe.check()}
@@ -44,6 +48,7 @@ async def readyz(request: Request) -> JSONResponse:
         checks["scorer"] = f"failed: {state.scorer_error}" if state.scorer_error else "loading"
         scorer_ok = False
     ready = checks["database"] == "ok" and scorer_ok
+    checks["scorers_down"] = state.database_probe.scorers_down
     return JSONResponse({"ready": ready, **checks}, status_code=200 if ready else 503)
 
 

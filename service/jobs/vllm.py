@@ -13,8 +13,9 @@ every pair's whole length (``scoring.budget.pair_cost``): vLLM computes prompt l
 prefix cache, so each pair re-prefills its prompt.
 
 Failures: a server that does not answer (connection refused, a timeout, a 5xx) after ``retries``
-tries raises ``ScorerUnavailable``: the worker puts the batch back in the queue, uncounted, and
-scores it whole later (nothing of a half-scored batch is written). A 4xx (too long for the
+tries raises ``ScorerUnavailable``: the worker puts the batch back in the queue, uncounted, opens
+the scorer's circuit breaker and ``probe``s the server until it answers, then scores the batch whole
+(nothing of a half-scored batch is written). A 4xx (too long for the
 server's context, a model it does not serve) fails the batch with the server's message. Must not
 import fastapi.
 """
@@ -54,6 +55,10 @@ TOKENIZER_PROBE = (
 )
 # Between tries of one request: 0.5 s, 1 s, 2 s, ... up to 8 s, so a restart of a few seconds is ridden out.
 REQUEST_BACKOFF = Backoff(first_seconds=0.5, max_seconds=8.0, jitter=0.25)
+# The deadline of the cheap questions (GET /v1/models, at a load and as the breaker's probe; POST /tokenize of
+# TOKENIZER_PROBE): a live server answers them in milliseconds, in a few KB.
+PROBE_SECONDS = 5.0
+PROBE_ANSWER_BYTES = 2**20
 
 
 class VllmScorer:
@@ -84,11 +89,16 @@ class VllmScorer:
     def connect(self) -> None:
         """Checks that the server serves ``endpoint.model`` and tokenizes as our tokenizer does.
 
+        Both questions are cheap, so they are asked once each with the probe's deadline (``PROBE_SECONDS``,
+        at most ``timeout_seconds``): a server that does not answer holds the worker seconds, not
+        ``1 + retries`` whole deadlines, and the worker's circuit breaker probes it from then on.
+
         Raises:
             ScorerUnavailable: the server did not answer.
             ModelLoadError: it serves another model, or its token ids differ from ours.
         """
-        models = self._request("GET", "/v1/models").get("data", [])
+        quick = min(PROBE_SECONDS, self.settings.timeout_seconds)
+        models = self._request("GET", "/v1/models", timeout_seconds=quick, retries=0).get("data", [])
         served = {m.get("id"): m for m in models}
         if self.endpoint.model not in served:
             raise ModelLoadError(
@@ -98,7 +108,11 @@ class VllmScorer:
         length = served[self.endpoint.model].get("max_model_len")
         self.max_positions = int(length) if isinstance(length, int) else None
         theirs = self._request(
-            "POST", "/tokenize", {"model": self.endpoint.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False}
+            "POST",
+            "/tokenize",
+            {"model": self.endpoint.model, "prompt": TOKENIZER_PROBE, "add_special_tokens": False},
+            timeout_seconds=quick,
+            retries=0,
         ).get("tokens")
         ours = list(self.encode(TOKENIZER_PROBE))
         if theirs != ours:
@@ -186,12 +200,22 @@ class VllmScorer:
                 )
         return out
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One API call, tried ``1 + retries`` times while the server does not answer (or answers a proxy's page)."""
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout_seconds: float | None = None,
+        retries: int | None = None,
+    ) -> dict[str, Any]:
+        """One API call, tried ``1 + retries`` times while the server does not answer (or answers a proxy's page);
+        each try within ``timeout_seconds`` (by default the settings' both)."""
+        timeout_seconds = self.settings.timeout_seconds if timeout_seconds is None else timeout_seconds
+        retries = self.settings.retries if retries is None else retries
         failures = 0
         while True:
             try:
-                status, answer = self._exchange(method, path, body)
+                status, answer = self._exchange(method, path, body, timeout_seconds)
             except _NoAnswer as e:  # past the deadline, too large
                 reason = str(e)
             except httpx.TransportError as e:  # refused, reset, no byte within the deadline
@@ -214,7 +238,7 @@ class VllmScorer:
                 else:
                     reason = f"{status}: {_message(answer)}"
             failures += 1
-            if failures > self.settings.retries:
+            if failures > retries:
                 raise ScorerUnavailable(
                     f"scorer {self.name!r}: the vLLM server at {self.endpoint.url} did not answer {method} {path} "
                     f"after {failures} tries ({reason})"
@@ -222,7 +246,9 @@ class VllmScorer:
             log.warning("scorer %s: %s %s failed (try %d): %s", self.name, method, path, failures, reason)
             time.sleep(REQUEST_BACKOFF.delay(failures))
 
-    def _exchange(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, bytes]:
+    def _exchange(
+        self, method: str, path: str, body: dict[str, Any] | None, timeout_seconds: float
+    ) -> tuple[int, bytes]:
         """One try: the status and the (decompressed) answer, within ``timeout_seconds`` in all and
         ``max_answer_bytes`` as sent and as decompressed.
 
@@ -233,9 +259,10 @@ class VllmScorer:
         bomb's 64 KB read would be 64 MB).
         """
         limit = self.settings.max_answer_bytes
-        deadline = time.monotonic() + self.settings.timeout_seconds
+        deadline = time.monotonic() + timeout_seconds
+        limit_name = "vllm_timeout_seconds" if timeout_seconds == self.settings.timeout_seconds else "PROBE_SECONDS"
         headers = {"Accept-Encoding": "gzip, deflate"}
-        with self.http.stream(method, path, json=body, headers=headers) as response:
+        with self.http.stream(method, path, json=body, headers=headers, timeout=timeout_seconds) as response:
             if response.is_stream_consumed:  # read whole by its transport (httpx.MockTransport): nothing left to bound
                 if len(response.content) > limit:
                     raise _NoAnswer(f"answer larger than max_answer_bytes={limit}")
@@ -263,10 +290,7 @@ class VllmScorer:
                 if len(answer) > limit:
                     raise _NoAnswer(f"answer larger than max_answer_bytes={limit} once decompressed")
                 if time.monotonic() > deadline:
-                    raise _NoAnswer(
-                        f"answer not complete within vllm_timeout_seconds={self.settings.timeout_seconds:g} "
-                        f"({sent} bytes read)"
-                    )
+                    raise _NoAnswer(f"answer not complete within {limit_name}={timeout_seconds:g} ({sent} bytes read)")
             return response.status_code, bytes(answer)
 
     def close(self) -> None:
@@ -290,6 +314,35 @@ def load_vllm_scorer(
         scorer.close()
         raise
     return scorer
+
+
+def probe(endpoint: VllmEndpoint, timeout_seconds: float) -> str | None:
+    """None when the server at ``endpoint`` answers ``GET /v1/models`` with a JSON object within
+    ``timeout_seconds`` in all; otherwise why not (the worker's circuit breaker asks this while a scorer
+    is down, in a thread of its own, holding no batch)."""
+    deadline = time.monotonic() + timeout_seconds
+    answer = bytearray()
+    try:
+        with (
+            httpx.Client(base_url=endpoint.url, timeout=timeout_seconds, trust_env=False) as http,
+            http.stream("GET", "/v1/models", headers={"Accept-Encoding": "identity"}) as response,
+        ):
+            for chunk in response.iter_raw():
+                answer += chunk
+                if len(answer) > PROBE_ANSWER_BYTES:
+                    return f"answer larger than {PROBE_ANSWER_BYTES} bytes"
+                if time.monotonic() > deadline:
+                    return f"answer not complete within {timeout_seconds:g} s"
+            status = response.status_code
+    except httpx.HTTPError as e:  # refused, reset, no byte within the deadline
+        return f"{type(e).__name__}: {e}"
+    if status != 200:
+        return f"{status}: {_message(bytes(answer))}"
+    try:
+        data = json.loads(answer)
+    except ValueError:
+        data = None
+    return None if isinstance(data, dict) else f"{status} that is not a JSON object: {bytes(answer[:120])!r}"
 
 
 def _requests(

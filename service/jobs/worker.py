@@ -9,10 +9,14 @@ exactly once.
 
 A scorer served elsewhere (vLLM) that does not answer (each request within its total deadline,
 ``vllm_timeout_seconds``, and its retries) puts the batch back in the queue with that error, which
-the API shows while it waits, and opens the scorer's circuit breaker: the worker claims no batch of
-that scorer for ``SCORER_BACKOFF`` (2 s, 4 s, ... 30 s), while other scorers' runs are claimed as
-usual, then claims one as a probe. Each put-back counts an attempt, so a batch whose scorer stays
-away fails after ``max_attempts`` probes with the scorer's last error.
+the API shows while it waits, uncounted, and opens the scorer's circuit breaker (``Breaker``): the
+worker claims no batch of that scorer while other scorers' runs are claimed as usual, and probes
+the server (``GET /v1/models``, a few seconds' deadline, in a thread of its own: no batch is held)
+after ``SCORER_BACKOFF`` (2 s, 4 s, ... 30 s). A probe that is answered half-opens the breaker:
+the scorer's batches are claimed again, and the next failure waits the next back-off. The outage
+is timed, not counted: once the scorer has been down for ``scorer_outage_seconds`` (from this
+worker's first failure), its waiting batches fail with its last error, and so do new ones while it
+stays down. ``scorer_outages`` holds what each worker found, for /readyz and /metrics.
 
 Failures: a batch that cannot be scored or stored (bad content, longer than the scorer's context,
 a checkpoint that does not load, results the database refuses, longer than
@@ -31,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
@@ -42,19 +47,34 @@ from service.jobs.interrupts import BatchDeleted, LeaseLost, ScorerUnavailable, 
 from service.jobs.recording import ScoredBatch, finish_done, finish_failed, load_emas
 from service.jobs.rollouts import score_rollouts
 from service.jobs.scorers import ScorerPool
-from service.jobs.vllm import AnyScorer
+from service.jobs.vllm import PROBE_SECONDS, AnyScorer, probe
 from service.loops import Backoff, lease_owner, poll, retry_through_outage, worker_identity
 from service.schemas.inputs import BatchIn
-from service.settings import Settings
+from service.settings import Settings, VllmEndpoint
 from service.snapshot import RunSnapshot
-from service.storage import queue, runs
+from service.storage import queue, runs, scorer_outages
 from service.storage.database import outage
-from service.storage.tables import Batch, Checkpoint, Run
+from service.storage.tables import Batch, Checkpoint, Run, utcnow
 
 log = logging.getLogger("collapse_monitor.worker")
-# After a scorer's server did not answer (its own retries spent): 2 s, 4 s, ... up to 30 s before the next claim,
-# so a server down for minutes is asked twice a minute, not hammered with claims of the same batch.
+# After a scorer's server did not answer (its own retries spent): 2 s, 4 s, ... up to 30 s before the next probe,
+# so a server down for minutes is asked twice a minute.
 SCORER_BACKOFF = Backoff(first_seconds=2.0, max_seconds=30.0, jitter=0.25)
+
+
+@dataclass
+class Breaker:
+    """One scorer's circuit breaker, from its first failure until a batch of it is scored again."""
+
+    error: str  # the last error: the scoring's, then each failed probe's
+    down_at: float  # monotonic time of the first failure: the outage's clock
+    since: datetime  # the same instant, as recorded for /readyz and /metrics
+    probe_at: float  # monotonic time of the next probe
+    failures: int = 1  # failures in a row (scorings and probes): the back-off's step
+    is_open: bool = True  # False once a probe was answered: its batches are claimed again (half-open)
+    answered_at: float | None = None  # monotonic time of the last probe answered
+    probing: threading.Thread | None = None
+    answer: str | None = None  # the finished probe's: None when the server answered, else why not
 
 
 @dataclass(frozen=True)
@@ -84,8 +104,10 @@ class Worker:
         self._release_predecessors = True
         self._release_own = False
         self._leased_at = time.monotonic()
-        # The circuit breakers: scorer name -> (consecutive batches put back, monotonic time of the next probe).
-        self._scorers_down: dict[str, tuple[int, float]] = {}
+        # The circuit breakers, by scorer name, and what of them is still to be written to scorer_outages
+        # (name -> the breaker, or None once its scorer answered); written with the next claim.
+        self._breakers: dict[str, Breaker] = {}
+        self._outages_to_record: dict[str, Breaker | None] = {}
 
     def run(self, stop: threading.Event) -> None:
         """Scores batches until ``stop`` is set; waits ``worker_poll_seconds`` when the queue is empty.
@@ -138,10 +160,9 @@ class Worker:
             self._put_back(batch_id)
             return
         except ScorerUnavailable as e:
-            self._put_back(batch_id, str(e))
             if claimed is not None:
-                failures = self._scorers_down.get(claimed.run.scorer, (0, 0.0))[0] + 1
-                self._scorers_down[claimed.run.scorer] = (failures, time.monotonic() + SCORER_BACKOFF.delay(failures))
+                self._scorer_failed(claimed.run.scorer, str(e))
+            self._put_back(batch_id, str(e))
             return
         except BatchDeleted:
             log.info("worker %s: batch %s was deleted with its run; nothing to score", self.owner, batch_id)
@@ -158,7 +179,8 @@ class Worker:
         finally:
             renewing.set()
             heartbeat.join()
-        self._scorers_down.pop(claimed.run.scorer, None)  # it answered: closed again
+        if self._breakers.pop(claimed.run.scorer, None) is not None:  # it answered: closed again
+            self._outages_to_record[claimed.run.scorer] = None
         seconds = time.perf_counter() - start
         try:
             self._finish(batch_id, lambda: self._finish_done(claimed, scored, seconds))
@@ -226,24 +248,113 @@ class Worker:
             )
 
     def _put_back(self, batch_id: str, scorer_down: str | None = None) -> None:
-        """Puts the batch back: uncounted at shutdown; counted, with the error kept on it, when ``scorer_down``
-        says its scorer's server is away."""
+        """Puts the batch back, uncounted: at shutdown; with the error kept on it when ``scorer_down`` says
+        its scorer's server is away.
+
+        An outage is not counted: ``max_attempts`` is for crashes, which the batch itself may cause and
+        which a count bounds; an outage says nothing of the batch, and a count would turn the breaker's
+        back-off into a deadline no one chose (3 tries fail a batch within a minute of a vLLM restart).
+        ``scorer_outage_seconds`` bounds it instead, in time.
+        """
         with self.sessions.begin() as session:
-            queue.release_leases(session, self.owner, count_attempt=scorer_down is not None, error=scorer_down)
+            queue.release_leases(session, self.owner, count_attempt=False, error=scorer_down)
+            recorded = self._record_outages(session)
+        self._recorded(recorded)
         if scorer_down is None:
             log.info("worker %s: stopping; batch %s is back in the queue", self.owner, batch_id)
         else:
             log.warning("worker %s: batch %s is back in the queue: %s", self.owner, batch_id, scorer_down)
 
     def _claim(self) -> str | None:
-        """The next batch, passing over the runs of scorers whose breaker is open (not yet time to probe)."""
+        """The next batch, passing over the runs of scorers whose breaker is open, failing those of scorers
+        down for longer than ``scorer_outage_seconds``."""
+        self._probe_scorers()
         now = time.monotonic()
-        down = [name for name, (_, probe_at) in self._scorers_down.items() if probe_at > now]
+        limit = self.settings.scorer_outage_seconds
+        down = [name for name, b in self._breakers.items() if b.is_open and now - b.down_at < limit]
+        give_up = {
+            name: f"scorer {name!r} has not answered for {now - b.down_at:.0f} s (scorer_outage_seconds={limit:g}); "
+            f"giving up. Its last error: {b.error}"
+            for name, b in self._breakers.items()
+            if b.is_open and now - b.down_at >= limit
+        }
         with self.sessions.begin() as session:
+            recorded = self._record_outages(session)
             batch = queue.claim_batch(
-                session, self.owner, self.settings.lease_seconds, self.settings.max_attempts, skip_scorers=down
+                session,
+                self.owner,
+                self.settings.lease_seconds,
+                self.settings.max_attempts,
+                skip_scorers=down,
+                give_up=give_up,
             )
-            return batch.id if batch is not None else None
+            claimed = batch.id if batch is not None else None
+        self._recorded(recorded)
+        return claimed
+
+    def _record_outages(self, session: Session) -> list[str]:
+        """Writes the breakers' changes to ``scorer_outages``; the caller forgets the names returned once
+        committed (a failed commit leaves them to the next transaction; only this thread changes them)."""
+        for name, breaker in self._outages_to_record.items():
+            if breaker is None:
+                scorer_outages.note_up(session, name)
+            else:
+                scorer_outages.note_down(session, name, breaker.since, breaker.error)
+        return list(self._outages_to_record)
+
+    def _recorded(self, names: list[str]) -> None:
+        for name in names:
+            self._outages_to_record.pop(name, None)
+
+    def _scorer_failed(self, name: str, error: str) -> None:
+        """Opens ``name``'s breaker (again): a scoring or a probe found its server not answering."""
+        now = time.monotonic()
+        breaker = self._breakers.get(name)
+        # Answered, then no failure for scorer_outage_seconds: that outage is over, this is a new one.
+        if breaker is None or (
+            breaker.answered_at is not None and now - breaker.answered_at > self.settings.scorer_outage_seconds
+        ):
+            breaker = self._breakers[name] = Breaker(error, down_at=now, since=utcnow(), probe_at=now)
+        else:
+            breaker.failures += 1
+            breaker.error, breaker.is_open = error, True
+        breaker.probe_at = now + SCORER_BACKOFF.delay(breaker.failures)
+        self._outages_to_record[name] = breaker
+
+    def _probe_scorers(self) -> None:
+        """Reads the probes that finished and starts those that are due, each in a thread of its own."""
+        now = time.monotonic()
+        for name, breaker in list(self._breakers.items()):
+            if not breaker.is_open:
+                continue
+            if breaker.probing is not None:
+                if breaker.probing.is_alive():
+                    continue
+                breaker.probing = None
+                if breaker.answer is None:
+                    log.info("worker %s: scorer %s answers again; claiming its batches", self.owner, name)
+                    # Half-open: the outage's clock and back-off step stay until a batch of it is scored, so a
+                    # server whose /v1/models answers while its completions hang still fails its batches in time.
+                    breaker.is_open, breaker.answered_at = False, now
+                    self._outages_to_record[name] = None
+                    continue
+                self._scorer_failed(name, breaker.answer)
+                log.warning("worker %s: %s", self.owner, breaker.answer)
+            if breaker.probe_at <= now:
+                breaker.probing = threading.Thread(
+                    target=self._probe, args=(name, breaker), name=f"probe-{name}", daemon=True
+                )
+                breaker.probing.start()
+
+    def _probe(self, name: str, breaker: Breaker) -> None:
+        endpoint = VllmEndpoint.parse(self.settings.scorers.get(name, ""))
+        if endpoint is None:  # not a vLLM scorer (any more): nothing to wait for
+            breaker.answer = None
+            return
+        seconds = min(PROBE_SECONDS, self.settings.vllm_timeout_seconds)
+        reason = probe(endpoint, seconds)
+        where = f"scorer {name!r}: the vLLM server at {endpoint.url}"
+        breaker.answer = None if reason is None else f"{where} did not answer the probe GET /v1/models ({reason})"
 
     def _load(self, batch_id: str) -> Claimed:
         # Read after the claim's commit: a run or checkpoint that cannot be read fails its batch,

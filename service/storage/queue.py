@@ -6,7 +6,7 @@ fastapi.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import and_, case, exists, func, or_, select, true, update
@@ -95,7 +95,12 @@ MAX_LOST_CLAIMS = 8
 
 
 def claim_batch(
-    session: Session, owner: str, lease_seconds: float, max_attempts: int, skip_scorers: Collection[str] = ()
+    session: Session,
+    owner: str,
+    lease_seconds: float,
+    max_attempts: int,
+    skip_scorers: Collection[str] = (),
+    give_up: Mapping[str, str] | None = None,
 ) -> Batch | None:
     """Claims the next batch to score: round-robin across tokens, then across their runs, step order within a run.
 
@@ -109,10 +114,10 @@ def claim_batch(
     once (the groups' last service is one grouped pass over ``runs``), whatever the queue holds.
     On Postgres the run row is locked with SKIP LOCKED, so concurrent workers claim different
     runs without waiting on each other; a batch whose lease expired is claimed again. A batch
-    interrupted ``max_attempts`` times is marked failed instead of looping forever, with the last
-    try's error when one was kept (a scorer's server that did not answer). Runs of a scorer in
-    ``skip_scorers`` (one whose server is down) are passed over, so their batches wait without
-    holding the others'.
+    interrupted ``max_attempts`` times is marked failed instead of looping forever. Runs of a scorer
+    in ``skip_scorers`` (one whose server is down) are passed over, so their batches wait without
+    holding the others'; the batches of a scorer in ``give_up`` (down for too long) are marked
+    failed with its message instead of claimed.
 
     The claim is a compare-and-set: its UPDATE changes the batch only if it still is as it was
     read (status, lease owner, lease expiry, attempts) and still claimable by the database's
@@ -131,7 +136,7 @@ def claim_batch(
         busy = exists().where(Batch.run_id == Run.id, Batch.status == "scoring", Batch.lease_expires_at > now)
         oldest = select(func.min(Batch.created_at)).where(Batch.run_id == Run.id, claimable).scalar_subquery()
         runs = (
-            select(Run.id)
+            select(Run.id, Run.scorer)
             .join(served, served.c.token == _token_group)
             .where(exists().where(Batch.run_id == Run.id, claimable), ~busy)
             .where(Run.scorer.not_in(skip_scorers) if skip_scorers else true())
@@ -143,11 +148,12 @@ def claim_batch(
             # rows that only reference it: a worker finishing one of the run's batches (an expired
             # lease this claim is looking at) writes its points meanwhile instead of deadlocking.
             runs = runs.with_for_update(of=Run, skip_locked=True, key_share=True)
-        run_id = session.scalar(runs)
-        if run_id is None:
+        chosen = session.execute(runs).one_or_none()
+        if chosen is None:
             return None
+        run_id, scorer = chosen
         seen = session.execute(
-            select(Batch.id, Batch.status, Batch.lease_owner, Batch.lease_expires_at, Batch.attempts, Batch.error)
+            select(Batch.id, Batch.status, Batch.lease_owner, Batch.lease_expires_at, Batch.attempts)
             .where(Batch.run_id == run_id, claimable)
             .order_by(Batch.segment, Batch.step, Batch.created_at)
             .limit(1)
@@ -165,11 +171,13 @@ def claim_batch(
         )
         # Either way the claim counts an attempt, and writes only if the batch is still as read.
         take = update(Batch).where(as_read).values(attempts=Batch.attempts + 1)
-        if seen.attempts + 1 > max_attempts:
-            if seen.error:  # the reason each try was put back: its scorer's server
-                error = f"scoring was tried {max_attempts} times; giving up. The last try: {seen.error}"
-            else:
-                error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
+        if give_up and scorer in give_up:
+            error: str | None = give_up[scorer]
+        elif seen.attempts + 1 > max_attempts:
+            error = f"scoring was interrupted {max_attempts} times (worker crashed or was killed); giving up"
+        else:
+            error = None
+        if error is not None:
             failed = session.execute(
                 take.values(
                     status="failed", finished_at=now, error=error, lease_owner=None, lease_expires_at=None

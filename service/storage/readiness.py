@@ -14,6 +14,8 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from service.storage.database import STORAGE_FULL, head_revision, outage
+from service.storage.scorer_outages import scorers_down
+from service.storage.times import iso_time
 
 STORAGE_FULL_SECONDS = 60.0  # /readyz reports a full disk this long after the last write it refused
 
@@ -28,6 +30,8 @@ class DatabaseProbe:
         self._check: asyncio.Future[str] | None = None
         self._started = 0.0
         self._storage_full_at: float | None = None
+        # The scorers a worker found down, as the last check that reached a migrated database read them.
+        self.scorers_down: dict[str, dict[str, str]] = {}
 
     def note_storage_full(self) -> None:
         """A write was just refused for want of disk space (reads, and so the probe's own, still work)."""
@@ -53,6 +57,9 @@ class DatabaseProbe:
                 current = None
                 if inspect(connection).has_table("alembic_version"):
                     current = connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+                if current == self.head:
+                    down = scorers_down(connection)
+                    self.scorers_down = {n: {"since": iso_time(at) or "", "error": e} for n, (at, e) in down.items()}
         except SQLAlchemyError as e:
             return outage(e) or f"failed: {type(e).__name__}"
         if current != self.head:

@@ -250,6 +250,18 @@ class ScorerLimits(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class ScorerOutage(Base):
+    """A named scorer whose server a worker found not answering, until one finds it answering again: what
+    /readyz and /metrics report (any process reads it; the worker's own circuit breaker is in its memory)."""
+
+    __tablename__ = "scorer_outages"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    since: Mapped[datetime] = mapped_column()  # when the worker first found it down
+    error: Mapped[str] = mapped_column(Text)  # the last error: the scoring's, then each failed probe's
+    checked_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class ScoreMatrix(Base):
     """The cross-scoring matrix of one scored batch and sampler, as the scorer computed it.
 

@@ -130,7 +130,12 @@ def test_the_migration_ran_once_and_the_api_and_two_workers_run(stack):
     assert states["worker"] == [("running", "0"), ("running", "0")]
     assert "grafana" not in states  # no image here: compose.test.yaml keeps it out
     ready = httpx.get(f"{stack.api}/readyz").json()
-    assert ready == {"ready": True, "database": "ok", "scorer": "not loaded in this process (no embedded worker)"}
+    assert ready == {
+        "ready": True,
+        "database": "ok",
+        "scorer": "not loaded in this process (no embedded worker)",
+        "scorers_down": {},
+    }
 
 
 def test_the_template_collapse_alert_reaches_alertmanager(stack, collapsing_run):

@@ -255,7 +255,7 @@ def test_checkpoints_are_refused_when_no_root_is_configured(paused):
 def test_health_and_readiness(paused):
     assert paused.get("/healthz").json() == {"status": "ok"}
     ready = paused.get("/readyz")
-    assert ready.status_code == 200
+    assert ready.status_code == 200, ready.json()
     assert ready.json()["database"] == "ok"
 
 

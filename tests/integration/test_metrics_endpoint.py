@@ -59,6 +59,10 @@ def test_names_follow_prometheus_conventions(database_url, client_for):
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
         for sample in family.samples:
-            assert set(sample.labels) <= {"run", "sampler", "status", "reason", "method", "route", "stream", "le"}
+            labels = {"run", "sampler", "status", "reason", "method", "route", "stream", "le", "scorer"}
+            assert set(sample.labels) <= labels
     requests = families(client)["collapse_monitor_requests"].samples
     assert any(s.labels["route"] == "/healthz" and s.labels["status"] == "200" for s in requests)
+    # Every named scorer is up until a worker finds its server down (tests/integration/test_remote_scorer_outage).
+    up = {s.labels["scorer"]: s.value for s in families(client)["collapse_monitor_scorer_up"].samples}
+    assert up == {"tiny-random": 1.0, "smollm2-135m": 1.0}

@@ -1,6 +1,6 @@
 """A scorer whose server hangs, against a real worker and database: its run's batch waits with the
-scorer's error, another run on the same worker is scored meanwhile, and the stuck batch fails with the
-scorer's last error after max_attempts probes."""
+scorer's error, another run on the same worker is scored meanwhile (the breaker's probes hold no batch),
+and the stuck batch fails with the scorer's last error after scorer_outage_seconds."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tests.misbehaving_vllm import misbehaving_server
 
 pytestmark = pytest.mark.integration
 
-# Generous bounds: max_attempts (2) tries of one 1 s deadline, the breaker's 2 s and 4 s back-offs, a busy machine.
+# Generous bounds: scorer_outage_seconds (5) after the first try's 1 s deadline, a busy machine.
+OUTAGE_SECONDS = 5.0
 FAILS_WITHIN_SECONDS = 120.0
 
 
@@ -29,7 +30,8 @@ def test_a_hanging_scorer_holds_only_its_own_run_and_its_batch_fails_with_the_sc
             scorers={"tiny-random": "tiny-random", "stuck": stuck},
             vllm_timeout_seconds=1.0,
             vllm_retries=0,
-            max_attempts=2,
+            max_attempts=1,  # not what ends an outage: scorer_outage_seconds is
+            scorer_outage_seconds=OUTAGE_SECONDS,
         )
         for name, scorer in (("stuck-run", "stuck"), ("ok-run", "tiny-random")):
             response = client.post("/v1/runs", json={"name": name, "scorer": scorer, "sampler": {"num_samples": 4}})
@@ -48,5 +50,9 @@ def test_a_hanging_scorer_holds_only_its_own_run_and_its_batch_fails_with_the_sc
     if waiting["status"] != "failed":  # the API said why it waited
         assert "did not answer GET /v1/models" in (waiting["error"] or ""), waiting
     assert failed["status"] == "failed"
-    assert failed["error"].startswith("scoring was tried 2 times; giving up. The last try: scorer 'stuck")
-    assert "did not answer GET /v1/models after 1 tries (ReadTimeout" in failed["error"]
+    assert failed["error"].startswith("scorer 'stuck' has not answered for ")
+    assert "(scorer_outage_seconds=5); giving up. Its last error: scorer 'stuck'" in failed["error"]
+    assert "did not answer" in failed["error"]
+    assert "GET /v1/models" in failed["error"]
+    assert "ReadTimeout" in failed["error"]
+    assert time.monotonic() - start >= OUTAGE_SECONDS

@@ -1,10 +1,13 @@
 """A vLLM scorer whose server misbehaves, against a real HTTP server on loopback: every try ends within its
 deadline, answers are read within a size cap (as sent and decompressed), an outage (hang, 5xx, reset, drip,
 a proxy's HTML page) is retried and then reported as the server not answering, and an answer without valid
-log-probs fails with a named error. The real vLLM server: tests/vllm."""
+log-probs fails with a named error; the circuit breaker's probe says whether the server answers. The real vLLM
+server: tests/vllm."""
 
 from __future__ import annotations
 
+import re
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,7 +16,7 @@ import pytest
 
 from scoring import ScoringConfig
 from service.jobs.interrupts import ScorerUnavailable
-from service.jobs.vllm import MalformedAnswer, VllmScorer
+from service.jobs.vllm import MalformedAnswer, VllmScorer, probe
 from service.settings import VllmClientSettings, VllmEndpoint
 from tests.conftest import random_batch
 from tests.misbehaving_vllm import MisbehavingServer, misbehaving_server
@@ -30,12 +33,15 @@ def server() -> Iterator[MisbehavingServer]:
         yield httpd
 
 
+def endpoint_of(server: MisbehavingServer) -> VllmEndpoint:
+    endpoint = VllmEndpoint.parse(f"vllm+http://127.0.0.1:{server.server_address[1]}?model=m&tokenizer=t")
+    assert endpoint is not None
+    return endpoint
+
+
 @contextmanager
 def scorer_of(server: MisbehavingServer, concurrency: int = 2) -> Iterator[VllmScorer]:
     """Closed however the test ends, so no connection of it is left for a later test's garbage collection."""
-    port = server.server_address[1]
-    endpoint = VllmEndpoint.parse(f"vllm+http://127.0.0.1:{port}?model=m&tokenizer=t")
-    assert endpoint is not None
     client = VllmClientSettings(
         timeout_seconds=DEADLINE_SECONDS,
         concurrency=concurrency,
@@ -43,7 +49,7 @@ def scorer_of(server: MisbehavingServer, concurrency: int = 2) -> Iterator[VllmS
         request_tokens=64,
         max_answer_bytes=CAP_BYTES,
     )
-    scorer = VllmScorer("big", endpoint, {i: i for i in range(64)}, client)
+    scorer = VllmScorer("big", endpoint_of(server), {i: i for i in range(64)}, client)
     try:
         yield scorer
     finally:
@@ -104,3 +110,32 @@ def test_an_answer_without_valid_log_probs_fails_the_batch_naming_the_backend(se
     ):
         scorer.score(random_batch(seed=1), ScoringConfig())
     assert server.tries == 1 or mode == "malformed"  # not retried: the same answer would come again
+
+
+def test_the_breakers_probe_finds_a_live_server_answering(server):
+    assert probe(endpoint_of(server), DEADLINE_SECONDS) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("hang", r"ReadTimeout"),
+        ("5xx", r"503: engine is restarting"),
+        ("html", r"200 that is not a JSON object: b'<html>"),
+    ],
+)
+def test_the_breakers_probe_says_why_a_server_does_not_answer_within_its_deadline(server, mode, reason):
+    server.mode = mode
+    start = time.monotonic()
+    assert re.match(reason, probe(endpoint_of(server), 1.0) or "")
+    assert time.monotonic() - start < WITHIN_SECONDS
+    assert server.tries == 1  # one try: the worker's back-off spaces the probes
+
+
+def test_the_breakers_probe_of_a_closed_port_says_it_was_refused():
+    with socket.socket() as s:  # bound, then released: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = VllmEndpoint.parse(f"vllm+http://127.0.0.1:{port}?model=m&tokenizer=t")
+    assert endpoint is not None
+    assert (probe(endpoint, 1.0) or "").startswith("ConnectError")
