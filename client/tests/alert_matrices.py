@@ -8,7 +8,7 @@ template collapse), under sampler ``matrix``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 from rollouts import trajectories
@@ -62,5 +62,5 @@ def polls_after(monitor: Monitor, n: int = 2) -> None:
     wait_for(lambda: monitor.stats().alert_polls >= start + n, what=f"{n} more polls")
 
 
-def states(events: list[AlertEvent]) -> list[tuple[str, str, str, int]]:
+def states(events: Sequence[AlertEvent]) -> list[tuple[str, str, str, int]]:
     return [(e.rule, e.sampler, e.state, e.step) for e in events]

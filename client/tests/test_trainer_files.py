@@ -181,7 +181,7 @@ def test_send_reads_each_trainers_file_with_the_step_its_place_names(service, ru
 
 
 def test_follow_writes_the_stop_file_and_runs_the_command_when_the_alert_fires(service, run_name, tmp_path):
-    from test_alerts import ALERTS, post_matrices
+    from alert_matrices import ALERTS, post_matrices
 
     folder, stop_file, ran = tmp_path / "out", tmp_path / "STOP", tmp_path / "ran.txt"
     command = [

@@ -306,7 +306,7 @@ def test_a_rollback_returns_to_the_newest_checkpoint_before_the_onset_and_resume
     trainer = paced_trainer(monitor, args, ROOMS)
     posted: set[int] = set()
 
-    class Collapse(TrainerCallback):
+    class Collapse(TrainerCallback):  # type: ignore[misc]  # transformers is untyped here
         """The service scores each step's matrix with its batch: collapsed from step 3 on."""
 
         def on_step_end(self, _args, state, _control, **_kwargs):

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from sqlalchemy import event, func, insert, select, update
+from sqlalchemy import delete, event, func, insert, select, update
 
 from service.storage import deletion
 from service.storage.tables import Batch, EmaRecord, MetricPoint, Run, ScoreMatrix, utcnow
@@ -393,7 +393,7 @@ def test_a_page_whose_cursor_run_is_deleted_while_it_is_read_still_lists_the_run
         if not deleted and statement.startswith("SELECT") and "runs.name =" in statement:  # the cursor's lookup
             deleted.append("a")  # first: the delete below passes through this hook too
             with engine.begin() as other:  # another connection: committed before the page's next statement
-                other.execute(Run.__table__.delete().where(Run.name == "a"))
+                other.execute(delete(Run).where(Run.name == "a"))
 
     event.listen(engine, "after_cursor_execute", delete_cursor_once_read)
     try:

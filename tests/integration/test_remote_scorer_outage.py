@@ -54,7 +54,7 @@ def scorer_up(client, scorer: str) -> str:
         for x in client.get("/metrics").text.splitlines()
         if x.startswith(f'collapse_monitor_scorer_up{{scorer="{scorer}"}}')
     )
-    return line.split()[-1]
+    return str(line.split()[-1])
 
 
 def test_a_batch_waits_uncounted_while_its_vllm_server_is_down_and_is_scored_once_it_answers(
