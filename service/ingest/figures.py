@@ -39,8 +39,8 @@ def ingest_figures(sessions: sessionmaker[Session], run_name: str, payload: Figu
     """
     with sessions.begin() as session:  # under the run's lock: concurrent posts of a step end in a replay or a 409
         run = require_run(session, run_name)
-        if lock_run(session, run.id) is None:  # deleted since the read above
-            raise NotFound(f"run {run_name!r} does not exist; create it with POST /v1/runs", field="run")
+        if lock_run(session, run.id) is None:  # deleted since the read above: its 404, as require_run words it
+            require_run(session, run_name)
         batch = queue.newest_batch_of_step(session, run.id, payload.step, current_segment(session, run.id))
         if batch is None:
             raise NotFound(
