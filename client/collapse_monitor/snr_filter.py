@@ -19,7 +19,9 @@ groups by the spread of their rewards and says which to keep, in one of two vari
   dropped.
 
 Example: group stds [3, 1, 1] at top_p 0.9 keep 3 groups under RAGEN (threshold 0.9 * 5 - 0.01 =
-4.49 is reached only by 3 + 1 + 1) and 2 upstream (variances 9 + 1 = 10 reach 0.9 * 11 - 0.01).
+4.49 is reached only by 3 + 1 + 1), 2 upstream (variances 9 + 1 = 10 reach 0.9 * 11 - 0.01) and 2
+under vagen for groups of two (ddof-0 variances 4.5 < 0.9 * 5.5, 4.5 + 0.5 is not), advantages times
+sqrt(2/3).
 
 The ragen and upstream selections are a pure-Python copy of ``scoring/snr_filter.py`` (the client runs
 where numpy may be absent): sums are taken in numpy's pairwise order and float32 steps are rounded as

@@ -146,7 +146,7 @@ class TRLSNRFilter:
         for i, (total, missing) in enumerate(zip(totals, unscorable)):
             if not missing and math.isfinite(total):
                 groups[i // n].append(float(total))
-        # An all-unscorable group has no spread: one reward 0 says so under both variants.
+        # An all-unscorable group has no spread: one reward 0 says so under every variant.
         selection = self.snr_filter.select([g or [0.0] for g in groups], rows=[n] * len(groups))
         engaged = self._engaged()
         self._is_empty = engaged and not any(selection.kept)

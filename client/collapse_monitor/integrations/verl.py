@@ -264,7 +264,7 @@ def apply_snr_filter(
             f"the SNR filter ranks prompt groups by their reward spread, but each of the {n_rows} rows is a group "
             "of its own: give rows of one prompt the same uid (or group_ids)"
         )
-    # A group without any reward has no spread: one reward 0 says so under both variants.
+    # A group without any reward has no spread: one reward 0 says so under every variant.
     selection = snr_filter.select([g or [0.0] for g in by_group], rows=rows)
     engaged = engagement.engaged
     is_empty = engaged and not any(selection.kept)
