@@ -1,8 +1,10 @@
-"""When the SNR filter acts: from the start, or while a chosen alert state holds.
+"""When the SNR filter acts: from the start, or while a chosen alert state holds; and when an acting filter that
+keeps no group stops training.
 
 ``FilterEngagement`` is an alert callback on the monitor's one alert watcher (``Monitor.on_alert``;
 ``FilterEngagement.watch`` subscribes it): the watcher's thread only queues events, and the training
-thread reads the queue (no network call there). Must not import the integrations, numpy or torch.
+thread reads the queue (no network call there). It carries the run's ``EmptySelections``, which TRL's
+and verl's integrations both report to. Must not import the integrations, numpy or torch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,48 @@ logger = logging.getLogger("collapse_monitor")
 ENDS = ("resolved", "dropped")  # the states that end an episode
 
 
+class EmptySelections:
+    """The training steps an engaged filter kept no group for, one run's: each warned, counted, and training
+    stopped after ``max_skipped_in_a_row`` of them in a row (RAGEN's trainer stops after 5).
+
+    ``n_skipped``: all of them; ``n_in_a_row``: the current run of them (0 after a step that kept a group).
+    """
+
+    def __init__(self, snr_filter: SNRFilter) -> None:
+        self.snr_filter = snr_filter
+        self.n_skipped = 0
+        self.n_in_a_row = 0
+
+    def record(self, step: int, is_empty: bool, update: str) -> None:
+        """Counts training ``step``; ``update`` says what became of its update, for the warning.
+
+        Raises:
+            RuntimeError: the ``max_skipped_in_a_row``-th empty selection in a row, naming the setting.
+        """
+        if not is_empty:
+            self.n_in_a_row = 0
+            return
+        self.n_skipped += 1
+        self.n_in_a_row += 1
+        f = self.snr_filter
+        limit = f.max_skipped_in_a_row
+        logger.warning(
+            "collapse-monitor: SNR filter kept no group for step %d: %s (%d in a row, training stops at %d)",
+            step,
+            update,
+            self.n_in_a_row,
+            limit,
+        )
+        if self.n_in_a_row >= limit:
+            raise RuntimeError(
+                f"collapse-monitor: the SNR filter kept no group for {self.n_in_a_row} steps in a row "
+                f"(up to step {step}; max_skipped_in_a_row={limit}): every group's rewards spread too little "
+                f"for {f.variant} {f.strategy} {f.value:g}; lower selection_eps, keep zero-spread groups "
+                "(include_zero), use a strategy that keeps a count (top_k_abs) or variant 'vagen', which keeps "
+                "every group when none spreads"
+            )
+
+
 class FilterEngagement:
     """Whether the filter acts now: from the start, or from the step after a chosen alert state.
 
@@ -33,11 +77,12 @@ class FilterEngagement:
     every episode that engaged it resolved or was dropped; by default it stays engaged: the filter
     is the remedy, and an episode that resolved under it would come back when it stops (RAGEN runs
     it for the whole training). Each change is logged and kept in ``history`` as ``(training step,
-    event)``.
+    event)``. ``empty``: the steps it kept no group for (``EmptySelections``).
     """
 
     def __init__(self, snr_filter: SNRFilter) -> None:
         self.snr_filter = snr_filter
+        self.empty = EmptySelections(snr_filter)
         self.engaged = snr_filter.engage == "always"
         self.history: list[tuple[int, AlertEvent]] = []
         self._queue: deque[AlertEvent] = deque()  # appended by the watcher thread, read by the training thread

@@ -11,13 +11,23 @@ groups by the spread of their rewards and says which to keep, in one of two vari
   (#2217): groups ranked by reward *variance* (``ddof``), a stable sort and a cumulative cut for
   ``top_p``, ``top_k`` a count, zero-variance groups dropped unless ``include_zero`` (so at top_p 1
   too), float64 arithmetic.
+* ``"vagen"``: the same lab's VAGEN (``vagen/custom_filter/filter.py``, ``reward_variance_top_p``):
+  groups ranked by reward variance (``ddof`` 0 by default) in a stable sort, taken while their sum is
+  below ``value * total`` (no slack), every group kept when no group's rewards vary, and the kept
+  rows' advantages scaled by sqrt(kept groups / groups) (``Selection.advantage_scale``), which the
+  integrations apply; VAGEN drops the rows, the integrations mask them with the loss normalised as if
+  dropped.
 
 Example: group stds [3, 1, 1] at top_p 0.9 keep 3 groups under RAGEN (threshold 0.9 * 5 - 0.01 =
-4.49 is reached only by 3 + 1 + 1) and 2 upstream (variances 9 + 1 = 10 reach 0.9 * 11 - 0.01).
+4.49 is reached only by 3 + 1 + 1), 2 upstream (variances 9 + 1 = 10 reach 0.9 * 11 - 0.01) and 2
+under vagen for groups of two (ddof-0 variances 4.5 < 0.9 * 5.5, 4.5 + 0.5 is not), advantages times
+sqrt(2/3).
 
-This is a pure-Python copy of ``scoring/snr_filter.py`` (the client runs where numpy may be absent):
-sums are taken in numpy's pairwise order and float32 steps are rounded as numpy rounds them, so the
-two copies agree bit for bit; tests/unit/test_snr_filter_copies.py fails when they do not.
+The ragen and upstream selections are a pure-Python copy of ``scoring/snr_filter.py`` (the client runs
+where numpy may be absent): sums are taken in numpy's pairwise order and float32 steps are rounded as
+numpy rounds them, so the two copies agree bit for bit; tests/unit/test_snr_filter_copies.py fails
+when they do not. vagen's lives here alone (the service advises RAGEN's filter only); the same test
+holds it to cases derived from VAGEN's own code.
 
 When the filter acts (``engage``) is ``collapse_monitor.engagement``'s. Must not import the integrations,
 httpx, numpy or torch.
@@ -33,8 +43,12 @@ from typing import Any
 
 from collapse_monitor.alerts import OPEN_STATES, STATES, check_filters
 
-VARIANTS = ("ragen", "upstream")
-STRATEGIES = {"ragen": ("top_p", "top_k", "top_k_abs", "min_p"), "upstream": ("top_p", "top_k")}
+VARIANTS = ("ragen", "upstream", "vagen")
+STRATEGIES = {"ragen": ("top_p", "top_k", "top_k_abs", "min_p"), "upstream": ("top_p", "top_k"), "vagen": ("top_p",)}
+# Each variant's defaults where its source differs: the variance's ddof (RAGEN's std uses n-1 and no
+# other), the slack subtracted from the top_p threshold (VAGEN has none).
+DDOF = {"ragen": 1, "upstream": 1, "vagen": 0}
+SELECTION_EPS = {"ragen": 0.01, "upstream": 0.01, "vagen": 0.0}
 FILTER_TYPES = ("largest", "smallest")
 TOP_P_MODES = ("linear", "softmax")
 METRICS = ("reward_variance", "reward_std", "reward", "reward_sum")
@@ -61,9 +75,9 @@ class SNRFilter:
 
     Args:
         strategy: ragen: ``top_p``, ``top_k`` (a fraction of the groups), ``top_k_abs`` (a count),
-            ``min_p``; upstream: ``top_p``, ``top_k`` (a count).
+            ``min_p``; upstream: ``top_p``, ``top_k`` (a count); vagen: ``top_p``.
         value: the top_p mass, the top_k fraction or count, or the min_p ratio.
-        variant: ``"ragen"`` or ``"upstream"`` (see the module docstring).
+        variant: ``"ragen"``, ``"upstream"`` or ``"vagen"`` (see the module docstring).
         engage: ``"always"``, or ``"on_alert"``: from the step after an alert of ``rules`` entered
             one of ``states`` (needs a monitor's alert watcher).
         rules, states: the alerts that engage the filter (``engage="on_alert"``); default TemplateCollapse
@@ -74,9 +88,12 @@ class SNRFilter:
             the whole training; an episode resolved under the filter tends to come back without it), or
             ``"on_resolve"``: when every episode that engaged it resolved or was dropped.
         filter_type, top_p_prob_mode, metric: RAGEN's options (ragen only).
-        include_zero: whether zero-spread groups may be kept; default True (RAGEN), False (upstream).
-        selection_eps: slack subtracted from the top_p threshold (both variants; 0.01 in both).
-        ddof: the variance's delta degrees of freedom (upstream only; RAGEN's std uses n-1).
+        include_zero: whether zero-spread groups may be kept; default True (RAGEN), False (upstream);
+            not vagen's (it keeps every group when none spreads).
+        selection_eps: slack subtracted from the top_p threshold; default 0.01 (ragen, upstream), 0 and
+            only 0 for vagen.
+        ddof: the variance's delta degrees of freedom; default 1 (upstream), 0 (vagen); RAGEN's std
+            uses n-1 and nothing else.
         max_skipped_in_a_row: an engaged filter that keeps no group skips the step's update; training
             stops after this many skipped steps in a row (5, as RAGEN's trainer).
 
@@ -95,8 +112,8 @@ class SNRFilter:
     include_zero: bool | None = None
     top_p_prob_mode: str = "linear"
     metric: str = "reward_variance"
-    selection_eps: float = 0.01
-    ddof: int = 1
+    selection_eps: float | None = None
+    ddof: int | None = None
     max_skipped_in_a_row: int = 5
 
     def __post_init__(self) -> None:
@@ -113,16 +130,17 @@ class SNRFilter:
         _one_of("metric", self.metric, METRICS)
         if isinstance(self.value, bool) or not isinstance(self.value, (int, float)) or not math.isfinite(self.value):
             raise ValueError(f"SNRFilter value must be a finite number, got {self.value!r}")
-        if not (isinstance(self.selection_eps, (int, float)) and self.selection_eps >= 0):
-            raise ValueError(f"SNRFilter selection_eps must be a number >= 0, got {self.selection_eps!r}")
-        if isinstance(self.ddof, bool) or not isinstance(self.ddof, int) or self.ddof < 0:
+        eps = self.selection_eps
+        if eps is not None and not (isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0):
+            raise ValueError(f"SNRFilter selection_eps must be a number >= 0, got {eps!r}")
+        if self.ddof is not None and (isinstance(self.ddof, bool) or not isinstance(self.ddof, int) or self.ddof < 0):
             raise ValueError(f"SNRFilter ddof must be a whole number >= 0, got {self.ddof!r}")
         if self.include_zero is not None and not isinstance(self.include_zero, bool):
             raise ValueError(f"SNRFilter include_zero must be True, False or None, got {self.include_zero!r}")
         if self.variant == "ragen":
             self._check_ragen()
         else:
-            self._check_upstream()
+            self._check_variance_variant()
         rules = (self.rules,) if isinstance(self.rules, str) else self.rules
         states = (self.states,) if isinstance(self.states, str) else tuple(self.states)
         object.__setattr__(self, "rules", None if rules is None else tuple(rules))
@@ -144,15 +162,27 @@ class SNRFilter:
             )
         if self.strategy == "top_k_abs" and not (self.value >= 1 and float(self.value).is_integer()):
             raise ValueError(f"SNRFilter value must be a whole number of groups >= 1 for top_k_abs, got {self.value}")
-        if self.ddof != 1:
+        if self.ddof not in (None, 1):
             raise ValueError(
-                f"SNRFilter ddof applies to variant 'upstream' only (RAGEN's std uses n-1), got {self.ddof}"
+                f"SNRFilter ddof applies to variants 'upstream' and 'vagen' only (RAGEN's std uses n-1), "
+                f"got {self.ddof}"
             )
 
-    def _check_upstream(self) -> None:
+    def _check_variance_variant(self) -> None:
+        """upstream's and vagen's settings: both rank by variance, with none of RAGEN's other options."""
         for name, default in (("filter_type", "largest"), ("top_p_prob_mode", "linear"), ("metric", "reward_variance")):
             if getattr(self, name) != default:
                 raise ValueError(f"SNRFilter {name} applies to variant 'ragen' only, got {getattr(self, name)!r}")
+        if self.variant == "vagen" and self.include_zero is not None:
+            raise ValueError(
+                "SNRFilter include_zero does not apply to variant 'vagen' (VAGEN ranks zero-spread groups last and "
+                f"keeps every group when none spreads), got {self.include_zero!r}"
+            )
+        if self.variant == "vagen" and self.selection_eps not in (None, 0):
+            raise ValueError(
+                f"SNRFilter selection_eps does not apply to variant 'vagen' (VAGEN's top_p has no slack), "
+                f"got {self.selection_eps}"
+            )
         if self.strategy == "top_p" and not 0 < self.value <= 1:
             raise ValueError(f"SNRFilter value must be in (0, 1] for top_p (a share of the variance), got {self.value}")
         if self.strategy == "top_k" and not (self.value >= 1 and float(self.value).is_integer()):
@@ -160,8 +190,18 @@ class SNRFilter:
 
     @property
     def keeps_zero_spread(self) -> bool:
-        """``include_zero`` as given, else the variant's default (RAGEN True, upstream False)."""
-        return self.include_zero if self.include_zero is not None else self.variant == "ragen"
+        """``include_zero`` as given, else the variant's default (RAGEN and VAGEN True, upstream False)."""
+        return self.include_zero if self.include_zero is not None else self.variant != "upstream"
+
+    @property
+    def variance_ddof(self) -> int:
+        """``ddof`` as given, else the variant's (``DDOF``)."""
+        return self.ddof if self.ddof is not None else DDOF[self.variant]
+
+    @property
+    def top_p_slack(self) -> float:
+        """``selection_eps`` as given, else the variant's (``SELECTION_EPS``)."""
+        return self.selection_eps if self.selection_eps is not None else SELECTION_EPS[self.variant]
 
     def select(self, rewards: Sequence[Sequence[float]], rows: Sequence[int] | None = None) -> Selection:
         """The groups to keep among ``rewards`` (one list of finite rewards per group).
@@ -177,19 +217,25 @@ class SNRFilter:
         spreads = tuple(_std(group) for group in groups)
         if self.variant == "ragen":
             kept = set(_ragen_select(groups, spreads, self))
-        else:
+        elif self.variant == "upstream":
             kept = set(_upstream_select(groups, self))
+        else:
+            kept = set(_vagen_select(groups, self))
         sizes = tuple(rows) if rows is not None else tuple(len(g) for g in groups)
-        return Selection(tuple(g in kept for g in range(len(groups))), spreads, sizes)
+        # VAGEN scales the kept rows' advantages by sqrt(kept groups / groups) "to account for the reduced batch"
+        scale = math.sqrt(len(kept) / len(groups)) if self.variant == "vagen" else 1.0
+        return Selection(tuple(g in kept for g in range(len(groups))), spreads, sizes, scale)
 
 
 @dataclass(frozen=True)
 class Selection:
-    """One batch's groups: which the filter keeps, their reward std (n-1, 0 for one reward), their rows."""
+    """One batch's groups: which the filter keeps, their reward std (n-1, 0 for one reward), their rows, and
+    the factor the kept rows' advantages are multiplied by when the filter acts (vagen's; 1 otherwise)."""
 
     kept: tuple[bool, ...]
     spreads: tuple[float, ...]
     sizes: tuple[int, ...]
+    advantage_scale: float = 1.0
 
     @property
     def kept_groups(self) -> list[int]:
@@ -281,7 +327,7 @@ def _ragen_top_p(scores: list[float], order: list[int], f: SNRFilter) -> list[in
                 cutoff = position
                 break
         return by_prob[: min(cutoff + 1, len(probs))]
-    threshold = _f32(_f32(value * _pairwise(scores, _f32)) - _f32(f.selection_eps))
+    threshold = _f32(_f32(value * _pairwise(scores, _f32)) - _f32(f.top_p_slack))
     total, taken = 0.0, 0
     for i in order:
         if _f32(total) >= threshold or scores[i] <= 0:
@@ -293,7 +339,8 @@ def _ragen_top_p(scores: list[float], order: list[int], f: SNRFilter) -> list[in
 
 def _upstream_select(groups: list[list[float]], f: SNRFilter) -> list[int]:
     """The upstream pull requests' selection (scoring.snr_filter.upstream_select), in float64."""
-    variances = [_var(g, f.ddof) if len(g) > f.ddof else 0.0 for g in groups]
+    ddof = f.variance_ddof
+    variances = [_var(g, ddof) if len(g) > ddof else 0.0 for g in groups]
     total = 0.0
     for v in variances:  # one addition at a time, as on every Python (3.12's sum() compensates)
         total += v
@@ -310,7 +357,7 @@ def _upstream_select(groups: list[list[float]], f: SNRFilter) -> list[int]:
     candidates.sort(key=lambda g: variances[g], reverse=True)  # stable: ties keep group order
     if f.strategy == "top_k":
         return candidates[:k]
-    target = f.value * total - f.selection_eps
+    target = f.value * total - f.top_p_slack
     kept: list[int] = []
     cumulative = 0.0
     if target > 0.0:
@@ -319,6 +366,33 @@ def _upstream_select(groups: list[list[float]], f: SNRFilter) -> list[int]:
             cumulative += variances[g]
             if cumulative >= target:
                 break
+    return kept
+
+
+def _vagen_select(groups: list[list[float]], f: SNRFilter) -> list[int]:
+    """VAGEN's ``reward_variance_top_p_filter`` (vagen/custom_filter/filter.py), in float64.
+
+    Where it differs from upstream's: a batch without variance keeps every group; zero-variance groups are
+    candidates, ranked last; a group is taken while the running sum is *below* ``value * total`` (no slack),
+    so the group that reaches it is the last one. A group of at most ``ddof`` rewards counts as 0 (VAGEN
+    takes a group of one as 0 and would divide by zero beyond that).
+    """
+    ddof = f.variance_ddof
+    variances = [_var(g, ddof) if len(g) > ddof else 0.0 for g in groups]
+    total = 0.0
+    for v in variances:  # one addition at a time, as upstream's (3.12's sum(), which VAGEN calls, compensates)
+        total += v
+    if total <= 0.0:
+        return list(range(len(groups)))
+    order = sorted(range(len(groups)), key=lambda g: variances[g], reverse=True)  # stable: ties keep group order
+    target = f.value * total  # > 0: value is in (0, 1], so the first group is always taken (VAGEN's "at least one")
+    kept: list[int] = []
+    cumulative = 0.0
+    for g in order:
+        if cumulative >= target:
+            break
+        kept.append(g)
+        cumulative += variances[g]
     return kept
 
 

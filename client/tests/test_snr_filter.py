@@ -11,7 +11,7 @@ import pytest
 
 from collapse_monitor.alerts import AlertEvent
 from collapse_monitor.engagement import FilterEngagement
-from collapse_monitor.snr_filter import SNRFilter
+from collapse_monitor.snr_filter import VARIANTS, SNRFilter
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,21 @@ from collapse_monitor.snr_filter import SNRFilter
             {"variant": "upstream", "strategy": "min_p"},
             r"strategy must be one of top_p, top_k \(variant 'upstream'\), got 'min_p'",
         ),
-        ({"variant": "trl"}, "SNRFilter variant must be one of ragen, upstream, got 'trl'"),
+        ({"variant": "trl"}, "SNRFilter variant must be one of ragen, upstream, vagen, got 'trl'"),
+        (
+            {"variant": "vagen", "strategy": "top_k"},
+            r"SNRFilter strategy must be one of top_p \(variant 'vagen'\), got 'top_k'",
+        ),
+        ({"variant": "vagen", "value": 0}, r"value must be in \(0, 1\] for top_p \(a share of the variance\), got 0"),
+        ({"variant": "vagen", "top_p_prob_mode": "softmax"}, "SNRFilter top_p_prob_mode applies to variant 'ragen'"),
+        (
+            {"variant": "vagen", "include_zero": False},
+            r"SNRFilter include_zero does not apply to variant 'vagen' \(VAGEN ranks zero-spread groups last",
+        ),
+        (
+            {"variant": "vagen", "selection_eps": 0.01},
+            r"SNRFilter selection_eps does not apply to variant 'vagen' \(VAGEN's top_p has no slack\), got 0.01",
+        ),
         ({"value": 1.5}, r"SNRFilter value must be in \(0, 1\] for top_p \(a share of the total score\), got 1.5"),
         ({"value": 0}, r"value must be in \(0, 1\] for top_p"),
         ({"strategy": "top_k", "value": 2}, r"value must be in \(0, 1\] for top_k \(a share of the groups\), got 2"),
@@ -36,7 +50,7 @@ from collapse_monitor.snr_filter import SNRFilter
         ({"variant": "upstream", "strategy": "top_k", "value": 0}, "whole number of groups >= 1 for top_k, got 0"),
         ({"variant": "upstream", "filter_type": "smallest"}, "SNRFilter filter_type applies to variant 'ragen' only"),
         ({"variant": "upstream", "metric": "reward"}, "SNRFilter metric applies to variant 'ragen' only"),
-        ({"ddof": 0}, r"SNRFilter ddof applies to variant 'upstream' only \(RAGEN's std uses n-1\), got 0"),
+        ({"ddof": 0}, r"SNRFilter ddof applies to variants 'upstream' and 'vagen' only \(RAGEN's std uses n-1\)"),
         ({"variant": "upstream", "ddof": -1}, "SNRFilter ddof must be a whole number >= 0, got -1"),
         ({"selection_eps": -0.1}, "SNRFilter selection_eps must be a number >= 0, got -0.1"),
         ({"engage": "sometimes"}, "SNRFilter engage must be one of always, on_alert, got 'sometimes'"),
@@ -64,6 +78,13 @@ def test_defaults_are_ragens_and_zero_spread_groups_follow_the_variant():
     assert snr.keeps_zero_spread
     assert not SNRFilter(variant="upstream").keeps_zero_spread
     assert SNRFilter(variant="upstream", include_zero=True).keeps_zero_spread
+    # each variant's own defaults where its source differs: ddof and the top_p slack
+    assert [(SNRFilter(variant=v).variance_ddof, SNRFilter(variant=v).top_p_slack) for v in VARIANTS] == [
+        (1, 0.01),
+        (1, 0.01),
+        (0, 0.0),
+    ]
+    assert SNRFilter(variant="upstream", ddof=0, selection_eps=0).variance_ddof == 0
     # one name, not its letters (typed as a tuple; a lone name is taken too, as Monitor.on_alert takes it)
     assert SNRFilter(rules="TemplateCollapse").rules == ("TemplateCollapse",)  # type: ignore[arg-type]
 

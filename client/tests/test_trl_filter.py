@@ -214,6 +214,43 @@ def test_dropped_groups_contribute_no_gradient_the_update_is_the_kept_groups_alo
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
 @pytest.mark.usefixtures("one_thread")
+def test_vagen_trains_on_the_kept_groups_alone_with_their_advantages_scaled_by_the_root_of_the_kept_share(
+    policy, tmp_path
+):
+    """VAGEN drops the rows and multiplies the kept ones' advantages by sqrt(kept groups / groups): the filtered
+    update equals a trainer's on the kept rows alone with advantages so scaled (KL unscaled in both), under a
+    sequence-mean loss with KL and two micro-batches, where the rows-over-kept weight applies too."""
+    settings = {"loss_type": "grpo", "beta": 0.04} | accumulated(2, ROWS)
+    filtered = make_trainer("grpo", policy, tmp_path / "filtered", **settings)
+    seen = capture_generation(filtered)
+    # top_p 0.3: the largest variance is at least a quarter of the total, so one or two groups reach it
+    install_snr_filter(filtered, SNRFilter(variant="vagen", value=0.3))
+    start = weights(filtered)
+    filtered.train()
+    raw, trained = seen["raw"], seen["trained"]
+    rows = trained[KEPT].nonzero().flatten()
+    n_kept = len(rows) // NUM_GENERATIONS
+    assert 1 <= n_kept <= 2
+    scale = (n_kept / (ROWS // NUM_GENERATIONS)) ** 0.5
+    torch.testing.assert_close(trained["advantages"][rows], raw["advantages"][rows] * scale)
+    step_filtered = update(filtered, start)
+
+    alone = make_trainer("grpo", policy, tmp_path / "alone", **settings | accumulated(2, len(rows)))
+    scaled = rows_of(raw, rows)
+    scaled["advantages"] = scaled["advantages"] * scale
+    replay(alone, scaled)
+    alone.train()
+    unscaled = make_trainer("grpo", policy, tmp_path / "unscaled", **settings | accumulated(2, len(rows)))
+    replay(unscaled, rows_of(raw, rows))
+    unscaled.train()
+
+    assert step_filtered.abs().max() > 1e-4
+    torch.testing.assert_close(step_filtered, update(alone, start), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(step_filtered, update(unscaled, start), rtol=1e-2, atol=1e-5)  # the scale did matter
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing.*` is deprecated:FutureWarning")
+@pytest.mark.usefixtures("one_thread")
 def test_on_alert_the_filter_engages_for_the_step_after_the_alert_state_and_its_series_are_stored(
     service, run_name, tmp_path, caplog
 ):
@@ -392,7 +429,7 @@ def test_a_step_that_keeps_no_group_is_skipped_and_training_stops_after_the_limi
         trainer.train()
     assert not update(trainer, start).any()  # no decay, no momentum: the weights never moved
     assert trainer.lr_scheduler.last_epoch == 0  # the warm-up never advanced
-    assert (installed.n_skipped, installed.n_skipped_in_a_row) == (3, 3)
+    assert (installed.engagement.empty.n_skipped, installed.engagement.empty.n_in_a_row) == (3, 3)
     warned = [r.getMessage() for r in caplog.records if "update is skipped" in r.getMessage()]
     assert len(warned) == 3
     assert "kept no group for step 1: its update is skipped (1 in a row, training stops at 3)" in warned[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -144,3 +145,78 @@ def test_on_alert_the_filter_engages_at_the_first_step_after_a_real_alert_state(
     assert stored == {1: 0.0, 2: 0.0, 3: 1.0}
     assert [len(p["trajectories"]) for p in service.payloads(run_name)] == [12, 12, 12]
     monitor.close()
+
+
+def with_advantages(batch):
+    """The batch as verl's compute_advantage leaves it for GRPO: each row's reward minus its group's mean, over the
+    group's std (n-1), on every response token. (verl's compute_grpo_outcome_advantage does this; its module needs
+    codetiming, which this environment lacks.)"""
+    rewards = batch.batch["token_level_scores"].sum(-1).view(-1, 4)  # [n_prompts, 4]: four rows per uid, in order
+    advantages = (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)
+    batch.batch["advantages"] = advantages.reshape(-1, 1) * batch.batch["response_mask"]
+    return batch
+
+
+VAGEN = SNRFilter(variant="vagen")  # variances (ddof 0) 0.25, 2.25, 0: 2.25 reaches 0.9 * 2.5, so one group of 3
+
+
+def test_vagen_scales_the_kept_rows_advantages_by_the_root_of_the_kept_share_in_both_outputs(tokenizer):
+    scale = math.sqrt(1 / 3)
+    batch = with_advantages(scored_batch(tokenizer, REWARDS))
+    before = batch.batch["advantages"].clone()
+    assert before[4:8].abs().sum() > 0  # the kept group's advantages are not all 0, so a scale shows
+    masked = apply_snr_filter(batch, VAGEN, step=1)
+    assert masked.kept_rows == [4, 5, 6, 7]
+    advantages = masked.batch.batch["advantages"]
+    torch.testing.assert_close(advantages[4:8], before[4:8] * scale)
+    assert torch.equal(advantages[:4], before[:4])  # the dropped rows are masked, their advantages left alone
+    assert int(masked.batch.batch["response_mask"][:4].sum()) == 0
+
+    batch = with_advantages(scored_batch(tokenizer, REWARDS))
+    selected = apply_snr_filter(batch, VAGEN, step=1, output="select")
+    assert len(selected.batch) == 4
+    torch.testing.assert_close(selected.batch.batch["advantages"], before[4:8] * scale)
+    # no variance anywhere: VAGEN keeps every group, unscaled
+    flat = with_advantages(scored_batch(tokenizer, [1.0] * 12))
+    unchanged = flat.batch["advantages"].clone()
+    kept_all = apply_snr_filter(flat, VAGEN, step=1)
+    assert (kept_all.kept_rows, kept_all.is_empty) == (list(range(12)), False)
+    assert torch.equal(kept_all.batch.batch["advantages"], unchanged)
+
+
+def test_vagen_is_refused_before_the_advantages_exist_naming_the_setting(tokenizer):
+    batch = scored_batch(tokenizer, REWARDS)
+    with pytest.raises(ValueError, match=r"variant 'vagen' scales the kept rows' advantages .* right after compute"):
+        apply_snr_filter(batch, VAGEN, step=1)
+
+
+def test_a_step_that_keeps_no_group_says_so_is_warned_each_time_and_the_limit_stops_training(tokenizer, caplog):
+    """verl's update cannot be skipped from here: is_empty tells the loop, every time, and the third empty
+    selection in a row raises; a step that keeps a group starts the count again."""
+    snr = SNRFilter(max_skipped_in_a_row=3)  # RAGEN's linear top_p: no spread, nothing reaches the threshold
+    engagement = FilterEngagement(snr)
+    flat, spread = [1.0] * 12, REWARDS
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
+        results = [
+            apply_snr_filter(scored_batch(tokenizer, rewards), snr, step=step, engagement=engagement)
+            for step, rewards in enumerate([flat, flat, spread, flat, flat], start=1)
+        ]
+        with pytest.raises(RuntimeError, match=r"kept no group for 3 steps in a row \(up to step 6; max_skipped"):
+            apply_snr_filter(scored_batch(tokenizer, flat), snr, step=6, engagement=engagement)
+    assert [r.is_empty for r in results] == [True, True, False, True, True]
+    assert [r.figures["rollout/filter_skipped"] for r in results] == [1.0, 1.0, 0.0, 1.0, 1.0]
+    empty = results[0]
+    assert empty.kept_rows == []
+    assert int(empty.batch.batch["response_mask"].sum()) == 0
+    warned = [r.getMessage() for r in caplog.records if "kept no group for step" in r.getMessage()]
+    assert len(warned) == 5  # every empty step, the one that raised included
+    assert "step 1: skip its update in the loop (filtered.is_empty)" in warned[0]
+    assert "(1 in a row, training stops at 3)" in warned[0]
+    assert "(1 in a row, training stops at 3)" in warned[2]  # after step 3 kept a group
+    assert (engagement.empty.n_skipped, engagement.empty.n_in_a_row) == (5, 3)
+    # select mode leaves no row; without an engagement the warning says nothing is counted across steps
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="collapse_monitor"):
+        selected = apply_snr_filter(scored_batch(tokenizer, flat), snr, step=7, output="select")
+    assert (selected.is_empty, len(selected.batch)) == (True, 0)
+    assert "not counted across steps without engagement=FilterEngagement(snr_filter)" in caplog.text

@@ -1,9 +1,11 @@
-"""The SNR filter's two copies: scoring/snr_filter.py (the service) and the client's pure-Python one (the trainer).
+"""The SNR filter's selections: each variant on reference cases taken from its source's own code, and the two
+copies of ragen's and upstream's, scoring/snr_filter.py (the service) and the client's pure-Python one (the
+trainer), on the same cases.
 
-Both are fed the same cases, RAGEN's and the upstream variant's: the hand-computed reference cases,
-then random batches with ties, zero-spread groups, single-sample groups, single-group batches, groups
-longer than numpy's pairwise block, and rewards from 1e-3 to 1e3. Any disagreement, in the kept groups
-or in a group's spread, fails.
+The copies are fed the reference cases, then random batches with ties, zero-spread groups, single-sample groups,
+single-group batches, groups longer than numpy's pairwise block, and rewards from 1e-3 to 1e3. Any disagreement,
+in the kept groups or in a group's spread, fails. vagen has one copy (the client's): it is held to VAGEN's cases
+and to a naive numpy oracle of the same rules.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from scoring.snr_filter import FilterConfig, UpstreamFilterConfig, filter_groups
 SPREAD = [[0, 1], [0, 3], [5, 5]]  # std (n-1): 0.7071, 2.1213, 0; means 0.5, 1.5, 5; sums 1, 3, 10
 TIED = [[0, 1], [0, 1], [0, 2]]
 
-# (rewards, RAGEN settings, groups kept): the cases of tests/unit/test_snr_filter.py, computed by hand there.
+# (rewards, RAGEN settings, groups kept): the cases of tests/unit/test_snr_filter.py, computed by hand there, and
+# each checked against RAGEN's own selection: mll-lab-nu/RAGEN ragen/trainer/rollout_filter.py at commit
+# cdc052b8c6b2bd71f5f55b4abb2abb901aaaeeaa (unchanged at 20daedc47558e000f7de912b060646bf2e8026bd),
+# RolloutFilter._select_top_groups fed each group's torch std (n-1), mean or sum. Every case agreed.
 RAGEN_REFERENCE = [
     ([[1, 0, 1], [1, 1, 1], [0, 0.5, 1], [3]], {}, [0, 2]),
     (SPREAD, {"value": 1.0}, [0, 1, 2]),
@@ -69,21 +74,50 @@ RAGEN_REFERENCE = [
     ),
 ]
 
-# (rewards, upstream settings, groups kept), computed by hand: variances (ddof 1) in the comments.
+# (rewards, upstream settings, groups kept): variances (ddof 1) in the comments. The cases marked "PR" are the
+# pull request's own tests (verl-project/verl #7894: tests/trainer/ppo/test_reward_variance_filter_on_cpu.py at
+# commit 52af575ec9e1bec0bf6583b9db4ee39f5626ac42, for verl/trainer/ppo/reward_variance_filter.py at
+# a9772ca7226340db6b0a3b0846de53da873230e8), their uids numbered in first-seen order; the rest were computed by hand
+# from that file's get_reward_variance_filter_mask.
 UPSTREAM_REFERENCE = [
     ([[0, 6], [0, 2], [0, 2]], {"value": 0.9}, [0, 1]),  # 18, 2, 2: 0.9 * 22 - 0.01 = 19.79 <= 18 + 2
-    ([[-3, 3], [-2, 2], [-1, 1]], {"value": 0.8, "selection_eps": 0}, [0, 1]),  # 18, 8, 2: 22.4 <= 26
-    ([[-1, 1], [-1, 1]], {"value": 0.5, "selection_eps": 0}, [0]),  # a tie: the first group
-    ([[1, 1], [2, 2]], {}, []),  # no variance at all, zeros not included: nothing
-    ([[1, 1], [2, 2]], {"include_zero": True}, [0, 1]),  # ... included: everything
+    ([[-3, 3], [-2, 2], [-1, 1]], {"value": 0.8, "selection_eps": 0}, [0, 1]),  # PR: 18, 8, 2: 22.4 <= 26
+    ([[-1, 1], [-1, 1]], {"value": 0.5, "selection_eps": 0}, [0]),  # PR: a tie, the first group seen
+    ([[1, 1], [2, 2]], {}, []),  # PR: no variance at all, zeros not included: nothing
+    ([[1, 1], [2, 2]], {"include_zero": True}, [0, 1]),  # PR: ... included: everything
     ([[1, 1], [2, 2], [3, 3]], {"strategy": "top_k", "value": 2, "include_zero": True}, [0, 1]),
-    ([[-3, 3], [-2, 2], [-1, 1]], {"strategy": "top_k", "value": 2}, [0, 1]),
-    ([[-1, 1], [0, 0], [1, 1]], {"strategy": "top_k", "value": 2}, [0]),  # zeros are not candidates
-    ([[-1, 1], [0, 0], [1, 1]], {"strategy": "top_k", "value": 2, "include_zero": True}, [0, 1]),
-    ([[0, 0.1]], {"value": 0.9}, []),  # 0.005: the target 0.9 * 0.005 - 0.01 is not positive
+    ([[-3, 3], [-2, 2], [-1, 1]], {"strategy": "top_k", "value": 2}, [0, 1]),  # PR
+    ([[-1, 1], [0, 0], [1, 1]], {"strategy": "top_k", "value": 2}, [0]),  # PR: zeros are not candidates
+    ([[-1, 1], [0, 0], [1, 1]], {"strategy": "top_k", "value": 2, "include_zero": True}, [0, 1]),  # PR
+    ([[0, 0.1]], {"value": 0.9}, []),  # PR: 0.005: the target 0.9 * 0.005 - 0.01 is not positive
+    ([[-3, 3], [-1, 1]], {"value": 0.7, "selection_eps": 0}, [0]),  # PR (its DataProto case): 18, 2: 14 <= 18
     ([[-1, 1], [0, 0]], {"value": 1.0}, [0]),  # top_p 1 drops the zero-variance group
     ([[-1, 1], [0, 0]], {"value": 1.0, "include_zero": True}, [0, 1]),
     ([[0, 1, 2], [0, 2]], {"value": 0.5, "ddof": 0}, [1]),  # ddof 0: 2/3 and 1
+]
+
+
+# (rewards, vagen settings, groups kept, the kept rows' advantage scale): each the answer of VAGEN's own
+# reward_variance_top_p_filter (mll-lab-nu/VAGEN vagen/custom_filter/filter.py at commit
+# 8036390c35f40f811ed9ae905c6c90cc61d4c251, unchanged at 2936322a6f6c02fbd29ca28e4b6ec37eefefc081) run on a verl
+# DataProto holding these rewards as token_level_scores, a uid per group and advantages of 1: the groups of the rows
+# it returned and the advantage they came back with. Variances (ddof 0) in the comments.
+VAGEN_REFERENCE = [
+    ([[0, 6], [0, 2], [0, 2]], {}, [0, 1], math.sqrt(2 / 3)),  # 9, 1, 1: 9 < 9.9, 10 >= 9.9 (stds 3, 1, 1 x sqrt 2)
+    ([[1, 1], [2, 2]], {}, [0, 1], 1.0),  # no variance at all: every group, unscaled
+    ([[0, 0.1]], {}, [0], 1.0),  # no slack: a tiny variance still trains (upstream keeps nothing here)
+    ([[0, 0.1], [0, 0]], {}, [0], math.sqrt(1 / 2)),
+    ([[0, 1, 2], [0, 2]], {"value": 0.5}, [1], math.sqrt(1 / 2)),  # 2/3, 1: ddof 0 ranks the pair first
+    ([[0, 6], [0, 2], [0, 2]], {"ddof": 1}, [0, 1], math.sqrt(2 / 3)),  # 18, 2, 2
+    ([[-1, 1], [0, 0], [1, 1]], {"value": 1.0}, [0], math.sqrt(1 / 3)),  # top_p 1 stops once the total is reached
+    ([[0, 1], [0, 1], [5, 5], [0, 0, 0, 1]], {}, [0, 1, 3], math.sqrt(3 / 4)),  # 0.25, 0.25, 0, 0.1875
+    ([[0, 1], [0, 1], [5, 5], [0, 0, 0, 1]], {"value": 0.5}, [0, 1], math.sqrt(1 / 2)),  # a tie, both under target
+    ([[0, 1], [0, 1]], {"value": 0.5}, [0], math.sqrt(1 / 2)),  # a tie: the first group seen
+    ([[0, 1], [0, 1], [0, 1]], {}, [0, 1, 2], 1.0),  # equal groups: 0.5 < 0.675, so all three
+    ([[-3, 3], [-2, 2], [-1, 1]], {"value": 0.8}, [0, 1], math.sqrt(2 / 3)),  # 9, 4, 1: 9 < 11.2 <= 13
+    ([[3], [0, 1]], {}, [1], math.sqrt(1 / 2)),  # a single reward has variance 0
+    ([[1, 0, 1, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], {}, [0, 1], math.sqrt(1 / 2)),  # binary rewards
+    ([[2, 2, 2], [0, 1, 0, 1, 0, 1, 0, 1]], {}, [1], math.sqrt(1 / 2)),  # groups of different sizes
 ]
 
 
@@ -110,6 +144,40 @@ def test_both_copies_keep_ragens_reference_groups(rewards, settings, kept):
 def test_both_copies_keep_the_upstream_reference_groups(rewards, settings, kept):
     assert scoring_upstream(rewards, settings) == kept
     assert client(rewards, settings, "upstream").kept_groups == kept
+
+
+@pytest.mark.parametrize(("rewards", "settings", "kept", "scale"), VAGEN_REFERENCE)
+def test_the_client_keeps_vagens_reference_groups_and_scales_their_advantages_as_vagen(rewards, settings, kept, scale):
+    selection = client(rewards, settings, "vagen")
+    assert selection.kept_groups == kept
+    assert selection.advantage_scale == pytest.approx(scale, rel=1e-15)
+    assert naive_vagen(rewards, SNRFilter(variant="vagen", **settings)) == kept
+
+
+def naive_vagen(rewards, snr: SNRFilter) -> list[int]:
+    """vagen's rules in numpy, one step at a time: the oracle for the client's copy on random batches."""
+    ddof = snr.variance_ddof
+    variances = np.array([np.var(g, ddof=ddof) if len(g) > ddof else 0.0 for g in rewards])
+    total = 0.0
+    for v in variances:
+        total += float(v)
+    if total <= 0:
+        return list(range(len(rewards)))
+    order = np.argsort(-variances, kind="stable")
+    below = np.concatenate([[0.0], np.cumsum(variances[order])[:-1]]) < snr.value * total  # sum before each
+    return sorted(int(g) for g in order[: int(np.argmin(below)) if not below.all() else len(order)])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_the_clients_vagen_selection_agrees_with_the_naive_one_on_random_batches(seed):
+    rng = random.Random(seed)
+    for _ in range(50):
+        rewards = random_rewards(rng)
+        value = rng.choice([1.0, 0.9, 0.5, rng.uniform(0.01, 1.0)])
+        snr = SNRFilter(variant="vagen", value=value, ddof=rng.choice([None, 0, 1, 2]))
+        selection = snr.select(rewards)
+        assert selection.kept_groups == naive_vagen(rewards, snr), (rewards, value, snr.ddof)
+        assert selection.advantage_scale == math.sqrt(len(selection.kept_groups) / len(rewards))
 
 
 def random_rewards(rng: random.Random) -> list[list[float]]:

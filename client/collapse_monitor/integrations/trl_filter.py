@@ -38,7 +38,10 @@ per-step series.) What happens each training generation batch:
   (5, RAGEN's) training stops with an error naming the setting;
 * advantages were computed before the filter, from whole groups (the filter keeps or drops whole
   groups, so a kept group's are unchanged with ``scale_rewards`` "group"; "batch" scaling uses the std
-  of every group, dropped ones included, as RAGEN's filter after advantage estimation does not).
+  of every group, dropped ones included, as RAGEN's filter after advantage estimation does not);
+  variant ``vagen`` then multiplies the kept rows' advantages by sqrt(kept groups / groups), as VAGEN
+  does after its advantage estimation (the policy-gradient term only: GRPO's KL term is not scaled,
+  RLOO's, which sits in its rewards, is, as VAGEN's ``use_kl_in_reward``).
 
 The filter's figures of each step (``collapse_monitor.snr_filter.FIGURE_NAMES``) are added to TRL's own
 logged metrics, averaged over the logging window as TRL averages the rest. Not supported, refused at
@@ -93,8 +96,6 @@ class TRLSNRFilter:
         self._selections: list[tuple[Selection, bool]] = []
         self._reported = False  # the first filtered step is logged at WARNING, the rest at DEBUG
         self._is_empty = False  # the last generation batch kept no group: its optimizer steps are skipped
-        self.n_skipped_in_a_row = 0
-        self.n_skipped = 0
         self._wrap()
 
     def take_figures(self) -> dict[str, float] | None:
@@ -145,7 +146,7 @@ class TRLSNRFilter:
         for i, (total, missing) in enumerate(zip(totals, unscorable)):
             if not missing and math.isfinite(total):
                 groups[i // n].append(float(total))
-        # An all-unscorable group has no spread: one reward 0 says so under both variants.
+        # An all-unscorable group has no spread: one reward 0 says so under every variant.
         selection = self.snr_filter.select([g or [0.0] for g in groups], rows=[n] * len(groups))
         engaged = self._engaged()
         self._is_empty = engaged and not any(selection.kept)
@@ -162,9 +163,9 @@ class TRLSNRFilter:
         if not engaged or all(selection.kept):
             return
         output["completion_mask"] = mask * keep.unsqueeze(1).to(mask.dtype)
-        output["advantages"] = output["advantages"] * keep.to(output["advantages"].dtype).view(
-            -1, *([1] * (output["advantages"].dim() - 1))
-        )
+        # 0 for a dropped row; a kept row's advantage times the variant's scale (vagen's sqrt(kept / groups), else 1)
+        weight = keep.to(output["advantages"].dtype) * selection.advantage_scale
+        output["advantages"] = output["advantages"] * weight.view(-1, *([1] * (output["advantages"].dim() - 1)))
         if self.is_rloo:
             output["old_logps"] = output["old_logps"] * keep.to(output["old_logps"].dtype)
         if "num_items_in_batch" in output:
@@ -221,29 +222,9 @@ class TRLSNRFilter:
         def optimizer_step(*args: Any, **kwargs: Any) -> Any:
             for each in accelerated:
                 each._is_overflow = self._is_empty
-            if not self._is_empty:
-                self.n_skipped_in_a_row = 0
-                return step(*args, **kwargs)
-            self.n_skipped += 1
-            self.n_skipped_in_a_row += 1
-            limit = self.snr_filter.max_skipped_in_a_row
             training_step = self.trainer.state.global_step + 1
-            logger.warning(
-                "collapse-monitor: SNR filter kept no group for step %d: its update is skipped (%d in a row, "
-                "training stops at %d)",
-                training_step,
-                self.n_skipped_in_a_row,
-                limit,
-            )
-            if self.n_skipped_in_a_row >= limit:
-                raise RuntimeError(
-                    f"collapse-monitor: the SNR filter kept no group for {self.n_skipped_in_a_row} steps in a row "
-                    f"(up to step {training_step}; max_skipped_in_a_row={limit}): every group's rewards spread "
-                    f"too little for {self.snr_filter.variant} {self.snr_filter.strategy} "
-                    f"{self.snr_filter.value:g}; lower selection_eps, keep zero-spread groups (include_zero) or "
-                    "use a strategy that keeps a count (top_k_abs)"
-                )
-            return None
+            self.engagement.empty.record(training_step, self._is_empty, "its update is skipped")  # raises at the limit
+            return None if self._is_empty else step(*args, **kwargs)
 
         # An instance attribute shadows the method the trainer calls; torch's scheduler marks the optimizer's
         # step it wrapped and warns when the mark is gone: carry it over.

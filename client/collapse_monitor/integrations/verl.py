@@ -41,6 +41,16 @@ before the advantages are computed, after ``log_batch`` (which sends every group
 then normalises over the kept tokens only (pass ``loss_agg_mode``: the ``seq-mean-*`` modes would count
 the masked rows, so mask mode refuses them); ``output="select"`` returns the kept rows alone, as RAGEN
 does (the batch shrinks: keep its size divisible by what your mini-batches and workers need).
+Variant ``vagen`` also multiplies the kept rows' ``advantages`` by sqrt(kept groups / groups), as VAGEN
+does right after ``compute_advantage``: call it there, once the batch holds them (refused before).
+
+When the engaged filter keeps no group (``filtered.is_empty``), the step has nothing to train on, but
+this function cannot skip the update: verl's ``fit`` has no hook, and the optimizer steps inside the
+workers' ``update_actor``, so a fully masked batch would be a zero-gradient step that still moves
+AdamW's weights and the scheduler. Skip it in the loop: ``if not filtered.is_empty:`` around
+``actor_output = self._update_actor(batch)`` and the lines that read ``actor_output``. Each empty
+selection is warned, sent as ``rollout/filter_skipped`` 1, and the ``max_skipped_in_a_row``-th in a
+row raises (counted by the engagement: pass the same one every step).
 
 What is read from the batch, per row (one row is one trajectory):
 
@@ -172,7 +182,8 @@ class FilteredBatch:
 
     ``batch`` is what to train on (masked, or the kept rows); ``kept_rows`` the rows of the given batch
     that train (every row when the filter was not engaged); ``row_kept`` the same as a [n_rows] bool
-    tensor (a loss mask to apply elsewhere); ``figures`` the step's series (``monitor.figures``).
+    tensor (a loss mask to apply elsewhere); ``figures`` the step's series (``monitor.figures``);
+    ``is_empty``: the engaged filter kept no group, so the loop must skip this step's update.
     """
 
     batch: Any
@@ -180,6 +191,7 @@ class FilteredBatch:
     row_kept: Any
     figures: dict[str, float]
     engaged: bool
+    is_empty: bool = False
 
 
 def apply_snr_filter(
@@ -198,14 +210,16 @@ def apply_snr_filter(
     prompts; ``token_level_scores``, ``rm_scores`` or ``token_level_rewards`` summed, or ``reward_key``); a
     row without a finite reward is left out of its group's statistics. ``engagement``: when the filter acts
     (``FilterEngagement.watch(monitor, snr_filter)`` for ``engage="on_alert"``; none needed for "always");
-    it is read here, on the training thread, without any network call. ``loss_agg_mode``: the actor's
-    (``actor_rollout_ref.actor.loss_agg_mode``); ``output="mask"`` needs ``token-mean``.
+    it is read here, on the training thread, without any network call; it also counts the steps that kept
+    no group (pass the same one every step: without one, none is counted across steps). ``loss_agg_mode``:
+    the actor's (``actor_rollout_ref.actor.loss_agg_mode``); ``output="mask"`` needs ``token-mean``.
 
     Raises:
         ValueError: an unknown ``output``, ``engage="on_alert"`` without an engagement, no mask to zero
-            (``output="mask"``), ``output="mask"`` under a ``seq-mean-*`` loss aggregation, or a batch whose
-            groups all hold one row.
+            (``output="mask"``), ``output="mask"`` under a ``seq-mean-*`` loss aggregation, variant ``vagen``
+            on a batch without ``advantages``, or a batch whose groups all hold one row.
         KeyError: the batch holds no rewards.
+        RuntimeError: the ``max_skipped_in_a_row``-th step in a row that kept no group.
     """
     if output not in ("mask", "select"):
         raise ValueError(f"output must be 'mask' or 'select', got {output!r}")
@@ -221,10 +235,18 @@ def apply_snr_filter(
             f"output='mask' needs loss_agg_mode='token-mean' (masked rows count in the other modes' sequence "
             f"averages), got {loss_agg_mode!r}; use output='select', which trains on the kept rows alone"
         )
+    if snr_filter.variant == "vagen" and not _has(tensors, "advantages"):
+        raise ValueError(
+            "SNRFilter variant 'vagen' scales the kept rows' advantages by sqrt(kept groups / groups), as VAGEN "
+            "does after compute_advantage, but the batch holds no 'advantages': call apply_snr_filter right after "
+            "compute_advantage, or use variant 'ragen' or 'upstream'"
+        )
+    update = "skip its update in the loop (filtered.is_empty): verl's actor cannot be told from here"
     if engagement is None:
         if snr_filter.engage != "always":
             raise ValueError("SNRFilter engage='on_alert' needs engagement=FilterEngagement.watch(monitor, snr_filter)")
         engagement = FilterEngagement(snr_filter)
+        update += "; not counted across steps without engagement=FilterEngagement(snr_filter) made before the loop"
     engagement.update(step)
     n_rows = len(batch)
     keys = _groups(tensors, extra, n_rows)
@@ -242,9 +264,11 @@ def apply_snr_filter(
             f"the SNR filter ranks prompt groups by their reward spread, but each of the {n_rows} rows is a group "
             "of its own: give rows of one prompt the same uid (or group_ids)"
         )
-    # A group without any reward has no spread: one reward 0 says so under both variants.
+    # A group without any reward has no spread: one reward 0 says so under every variant.
     selection = snr_filter.select([g or [0.0] for g in by_group], rows=rows)
     engaged = engagement.engaged
+    is_empty = engaged and not any(selection.kept)
+    engagement.empty.record(step, is_empty, update)  # warns; raises at the limit
     kept_rows = [r for r, g in enumerate(group_of_row) if not engaged or selection.kept[g]]
     like = tensors[masks[0]] if masks else tensors["responses"]
     row_kept = like.new_tensor([1 if not engaged or selection.kept[g] else 0 for g in group_of_row]).bool()
@@ -255,7 +279,12 @@ def apply_snr_filter(
         else:
             for name in masks:
                 tensors[name] = tensors[name] * row_kept.unsqueeze(-1).to(tensors[name].dtype)
-    return FilteredBatch(filtered, kept_rows, row_kept, step_figures([(selection, engaged)]), engaged)
+        if selection.advantage_scale != 1.0:  # vagen's, on the kept rows only (every row, once selected)
+            advantages = filtered.batch["advantages"]
+            kept = row_kept if output == "mask" else row_kept[row_kept]
+            factor = 1.0 + (selection.advantage_scale - 1.0) * kept.to(advantages.dtype)  # 1 where dropped
+            filtered.batch["advantages"] = advantages * factor.view(-1, *([1] * (advantages.dim() - 1)))
+    return FilteredBatch(filtered, kept_rows, row_kept, step_figures([(selection, engaged)]), engaged, is_empty)
 
 
 class _Decoder:

@@ -28,8 +28,10 @@ PROMPTS = "distinct_prompts"  # P, the distinct prompts of a step's scored rows 
 TEMPLATE_ADVICE = (
     "Reasoning no longer depends on the input although its entropy looks healthy (RAGEN-2 template "
     "collapse). Check which prompts lost input dependence in the per-prompt breakdown of the latest batch "
-    "(GET /v1/batches/{id}); enable SNR-aware filtering (RAGEN's rollout filter, top_p 0.9) or lower its "
-    "top_p; lower the KL or entropy-regularization weight."
+    "(GET /v1/batches/{id}); enable SNR-aware filtering. The paper ran RAGEN's filter in softmax mode, top_p "
+    "0.9, which keeps about 90% of the groups or more (all 8 a step in docs/evaluation.md's remedy trial); "
+    "linear mode at 0.9 (SNRFilter's default, variant ragen) kept ~40% there. If it is on, lower its value. "
+    "Lower the KL or entropy-regularization weight."
 )
 
 
