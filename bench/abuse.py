@@ -872,9 +872,9 @@ def follow_unreadable(copies: int) -> dict:
     return followed(files)
 
 
-def slime_hook(samples: int) -> dict:
-    """``log_rollout`` with ``samples`` slime samples (dicts, 2 turns' worth of tokens each): the time the
-    trainer's call takes, then the conversion thread's (issue 38: 100,000 blocked the trainer 5.8 s)."""
+def slime_rollout(rollout: list[dict]) -> dict:
+    """``log_rollout`` with ``rollout`` (slime sample dicts, token-id mode, nothing listening): the time the
+    trainer's call takes, the conversion thread's, the serialising at close, and what the batch holds."""
     import os
     from types import SimpleNamespace
 
@@ -884,16 +884,6 @@ def slime_hook(samples: int) -> dict:
     os.environ["COLLAPSE_MONITOR_TOKEN_IDS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["COLLAPSE_MONITOR_SPOOL_DIR"] = tmp
-        rollout = [
-            {
-                "group_index": i // 8,
-                "index": i,
-                "tokens": list(range(96)),
-                "response_length": 32,
-                "reward": float(i % 2),
-            }
-            for i in range(samples)
-        ]
         args = SimpleNamespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
         slime.log_rollout(0, args, [])  # the first call starts the run's monitor (its thread, its spool)
         slime.wait_for_conversions(60)
@@ -903,9 +893,53 @@ def slime_hook(samples: int) -> dict:
         slime.wait_for_conversions(600)
         converted = time.perf_counter() - start
         for monitor in slime._monitors.values():
-            monitor.close(timeout=0)
+            monitor.close(timeout=0)  # nothing listens: the batch is serialised into the spool
+        serialised = time.perf_counter() - start
         slime._monitors.clear()
-    return {"hook_ms": round(hook * 1000, 2), "converted_seconds": round(converted, 2)}
+        (body,) = [json.loads(f.read_bytes()) for f in Path(tmp, "bench-slime").glob("*-batch-1.json")]
+        sent = {
+            "sent_trajectories": len(body["trajectories"]),
+            "sent_turns_max": max(len(t["turns"]) for t in body["trajectories"]),
+            "body_mb": round(sum(f.stat().st_size for f in Path(tmp, "bench-slime").glob("*-batch-1.json")) / 2**20, 1),
+        }
+    seconds = {"hook_ms": round(hook * 1000, 2), "converted_seconds": round(converted, 2)}
+    return seconds | {"serialised_seconds": round(serialised, 2)} | sent
+
+
+def slime_hook(samples: int) -> dict:
+    """A rollout of ``samples`` samples, 8 a prompt, 96 tokens each (issue 38: 100,000 blocked the trainer
+    5.8 s, and the batch was then refused: past the service's 4096 trajectories)."""
+    return slime_rollout(
+        [
+            {
+                "group_index": i // 8,
+                "index": i,
+                "tokens": list(range(96)),
+                "response_length": 32,
+                "reward": float(i % 2),
+            }
+            for i in range(samples)
+        ]
+    )
+
+
+def slime_tool_turns(turns: int) -> dict:
+    """A rollout of 4 samples (1 prompt) of ``turns`` tool turns each: 8 model tokens, then 8 tool tokens
+    (issue 38: 2,000 blocked the trainer 3.3 s; each turn's prompt is every token before it)."""
+    mask = ([1] * 8 + [0] * 8) * turns
+    return slime_rollout(
+        [
+            {
+                "group_index": 0,
+                "index": i,
+                "tokens": list(range(64)) + [(i + k) % 500 for k in range(len(mask))],
+                "response_length": len(mask),
+                "loss_mask": mask,
+                "reward": float(i % 2),
+            }
+            for i in range(4)
+        ]
+    )
 
 
 VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
@@ -944,6 +978,7 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "follow_deep_json": ("levels of nesting", follow_deep_json, [1000, 10_000, 100_000], [1000, 10_000], None),
     "follow_unreadable": ("copies of 4 unreadable files", follow_unreadable, [1, 10, 100], [1, 10], None),
     "slime_hook": ("samples", slime_hook, [1000, 10_000, 100_000], [1000, 10_000], None),
+    "slime_tool_turns": ("tool turns a sample", slime_tool_turns, [20, 200, 2000], [20, 200], None),
 }
 
 
