@@ -873,8 +873,9 @@ def follow_unreadable(copies: int) -> dict:
 
 
 def slime_rollout(rollout: list[dict]) -> dict:
-    """``log_rollout`` with ``rollout`` (slime sample dicts, token-id mode, nothing listening): the time the
-    trainer's call takes, the conversion thread's, the serialising at close, and what the batch holds."""
+    """``log_rollout`` with ``rollout`` (slime sample dicts, token-id mode, nothing listening), three times, each
+    after the last is converted (a real rollout takes minutes): the time the trainer's call takes (median,
+    max), the conversion thread's, the serialising at close, and what the first rollout's batch holds."""
     import os
     from types import SimpleNamespace
 
@@ -887,23 +888,31 @@ def slime_rollout(rollout: list[dict]) -> dict:
         args = SimpleNamespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
         slime.log_rollout(0, args, [])  # the first call starts the run's monitor (its thread, its spool)
         slime.wait_for_conversions(60)
+        hooks, conversions = [], []
+        for rollout_id in (1, 2, 3):
+            start = time.perf_counter()
+            slime.log_rollout(rollout_id, args, rollout)
+            hooks.append(time.perf_counter() - start)
+            slime.wait_for_conversions(600)
+            conversions.append(time.perf_counter() - start)
         start = time.perf_counter()
-        slime.log_rollout(1, args, rollout)
-        hook = time.perf_counter() - start
-        slime.wait_for_conversions(600)
-        converted = time.perf_counter() - start
         for monitor in slime._monitors.values():
-            monitor.close(timeout=0)  # nothing listens: the batch is serialised into the spool
-        serialised = time.perf_counter() - start
+            monitor.close(timeout=0)  # nothing listens: the batches are serialised into the spool
+        serialised = (time.perf_counter() - start) / 3
         slime._monitors.clear()
-        (body,) = [json.loads(f.read_bytes()) for f in Path(tmp, "bench-slime").glob("*-batch-1.json")]
+        (first,) = Path(tmp, "bench-slime").glob("*-batch-1.json")
+        body = json.loads(first.read_bytes())
         sent = {
             "sent_trajectories": len(body["trajectories"]),
             "sent_turns_max": max(len(t["turns"]) for t in body["trajectories"]),
-            "body_mb": round(sum(f.stat().st_size for f in Path(tmp, "bench-slime").glob("*-batch-1.json")) / 2**20, 1),
+            "body_mb": round(first.stat().st_size / 2**20, 1),
         }
-    seconds = {"hook_ms": round(hook * 1000, 2), "converted_seconds": round(converted, 2)}
-    return seconds | {"serialised_seconds": round(serialised, 2)} | sent
+    return {
+        "hook_ms": round(statistics.median(hooks) * 1000, 2),
+        "hook_ms_max": round(max(hooks) * 1000, 2),
+        "converted_seconds": round(statistics.median(conversions), 2),
+        "serialised_seconds": round(serialised, 2),
+    } | sent
 
 
 def slime_hook(samples: int) -> dict:
