@@ -872,9 +872,10 @@ def follow_unreadable(copies: int) -> dict:
     return followed(files)
 
 
-def slime_hook(samples: int) -> dict:
-    """``log_rollout`` with ``samples`` slime samples (dicts, 2 turns' worth of tokens each): the time the
-    trainer's call takes, then the conversion thread's (issue 38: 100,000 blocked the trainer 5.8 s)."""
+def slime_rollout(rollout: list[dict]) -> dict:
+    """``log_rollout`` with ``rollout`` (slime sample dicts, token-id mode, nothing listening), three times, each
+    after the last is converted (a real rollout takes minutes): the time the trainer's call takes (median,
+    max), the conversion thread's, the serialising at close, and what the first rollout's batch holds."""
     import os
     from types import SimpleNamespace
 
@@ -884,7 +885,41 @@ def slime_hook(samples: int) -> dict:
     os.environ["COLLAPSE_MONITOR_TOKEN_IDS"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["COLLAPSE_MONITOR_SPOOL_DIR"] = tmp
-        rollout = [
+        args = SimpleNamespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
+        slime.log_rollout(0, args, [])  # the first call starts the run's monitor (its thread, its spool)
+        slime.wait_for_conversions(60)
+        hooks, conversions = [], []
+        for rollout_id in (1, 2, 3):
+            start = time.perf_counter()
+            slime.log_rollout(rollout_id, args, rollout)
+            hooks.append(time.perf_counter() - start)
+            slime.wait_for_conversions(600)
+            conversions.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for monitor in slime._monitors.values():
+            monitor.close(timeout=0)  # nothing listens: the batches are serialised into the spool
+        serialised = (time.perf_counter() - start) / 3
+        slime._monitors.clear()
+        (first,) = Path(tmp, "bench-slime").glob("*-batch-1.json")
+        body = json.loads(first.read_bytes())
+        sent = {
+            "sent_trajectories": len(body["trajectories"]),
+            "sent_turns_max": max(len(t["turns"]) for t in body["trajectories"]),
+            "body_mb": round(first.stat().st_size / 2**20, 1),
+        }
+    return {
+        "hook_ms": round(statistics.median(hooks) * 1000, 2),
+        "hook_ms_max": round(max(hooks) * 1000, 2),
+        "converted_seconds": round(statistics.median(conversions), 2),
+        "serialised_seconds": round(serialised, 2),
+    } | sent
+
+
+def slime_hook(samples: int) -> dict:
+    """A rollout of ``samples`` samples, 8 a prompt, 96 tokens each (issue 38: 100,000 blocked the trainer
+    5.8 s, and the batch was then refused: past the service's 4096 trajectories)."""
+    return slime_rollout(
+        [
             {
                 "group_index": i // 8,
                 "index": i,
@@ -894,18 +929,26 @@ def slime_hook(samples: int) -> dict:
             }
             for i in range(samples)
         ]
-        args = SimpleNamespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
-        slime.log_rollout(0, args, [])  # the first call starts the run's monitor (its thread, its spool)
-        slime.wait_for_conversions(60)
-        start = time.perf_counter()
-        slime.log_rollout(1, args, rollout)
-        hook = time.perf_counter() - start
-        slime.wait_for_conversions(600)
-        converted = time.perf_counter() - start
-        for monitor in slime._monitors.values():
-            monitor.close(timeout=0)
-        slime._monitors.clear()
-    return {"hook_ms": round(hook * 1000, 2), "converted_seconds": round(converted, 2)}
+    )
+
+
+def slime_tool_turns(turns: int) -> dict:
+    """A rollout of 4 samples (1 prompt) of ``turns`` tool turns each: 8 model tokens, then 8 tool tokens
+    (issue 38: 2,000 blocked the trainer 3.3 s; each turn's prompt is every token before it)."""
+    mask = ([1] * 8 + [0] * 8) * turns
+    return slime_rollout(
+        [
+            {
+                "group_index": 0,
+                "index": i,
+                "tokens": list(range(64)) + [(i + k) % 500 for k in range(len(mask))],
+                "response_length": len(mask),
+                "loss_mask": mask,
+                "reward": float(i % 2),
+            }
+            for i in range(4)
+        ]
+    )
 
 
 VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
@@ -944,6 +987,7 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "follow_deep_json": ("levels of nesting", follow_deep_json, [1000, 10_000, 100_000], [1000, 10_000], None),
     "follow_unreadable": ("copies of 4 unreadable files", follow_unreadable, [1, 10, 100], [1, 10], None),
     "slime_hook": ("samples", slime_hook, [1000, 10_000, 100_000], [1000, 10_000], None),
+    "slime_tool_turns": ("tool turns a sample", slime_tool_turns, [20, 200, 2000], [20, 200], None),
 }
 
 

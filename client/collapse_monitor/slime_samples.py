@@ -25,8 +25,12 @@ What becomes of a sample:
 * **reward**: ``reward``, or ``reward[reward_key]`` for a dict.
 
 A sample with no model token (an empty or fully masked response) carries nothing to score and is
-left out. Reading a dump needs torch and unpickles the file, so it is done only for folders the
-caller trusts. Must not import httpx or the monitor.
+left out. A multi-turn sample's turns are kept in order while they fit: at most ``MAX_TURNS``, and
+their prompts and responses together at most ``max_token_ids`` ids (its first turn always): every
+turn's prompt repeats all the turns before it, so 2,000 tool turns would otherwise cost the square
+of the sample's length (a 64 MB batch for one sample, which the service refuses). Reading a dump
+needs torch and unpickles the file, so it is done only for folders the caller trusts. Must not
+import httpx or the monitor.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ from collapse_monitor.dumps import DumpError
 
 Decode = Callable[[list[int]], str]
 
+# The service's defaults (docs/settings.md): a trajectory of more than max_turns turns, or a prompt of more
+# than max_token_ids ids, is refused with the whole batch.
+MAX_TURNS = 256
+MAX_SAMPLE_TOKEN_IDS = 65_536
+
 
 def trajectories(
     samples: Iterable[Any],
@@ -49,21 +58,23 @@ def trajectories(
     reward_key: str | None = None,
     token_ids: bool = False,
     decode: Decode | None = None,
+    max_token_ids: int = MAX_SAMPLE_TOKEN_IDS,
 ) -> list[dict[str, Any]]:
-    """The trajectories of a rollout's samples (objects or ``to_dict()`` dicts); raises ValueError naming one."""
+    """The trajectories of a rollout's samples (objects or ``to_dict()`` dicts); raises ValueError naming one.
+
+    ``max_token_ids``: the ids a multi-turn sample's kept turns may hold together (see the module docstring).
+    """
     out: list[dict[str, Any]] = []
     executions: dict[tuple[Any, Any], dict[str, Any]] = {}
-    ordered = sorted(
-        enumerate(samples), key=lambda s: (_field(s[1], "index") is None, _field(s[1], "index") or 0, s[0])
-    )
+    ordered = sorted(enumerate(samples), key=lambda s: (field(s[1], "index") is None, field(s[1], "index") or 0, s[0]))
     for position, sample in ordered:
-        where = f"samples[{position}] (index {_field(sample, 'index')})"
-        turns = _turns(sample, token_ids, decode, where)
+        where = f"samples[{position}] (index {field(sample, 'index')})"
+        turns = _turns(sample, token_ids, decode, max_token_ids, where)
         if not turns:
             continue
-        reward = _reward(_field(sample, "reward"), reward_key, where)
-        group = _field(sample, "group_index")
-        execution = _field(sample, "rollout_id")
+        reward = _reward(field(sample, "reward"), reward_key, where)
+        group = field(sample, "group_index")
+        execution = field(sample, "rollout_id")
         if execution is not None and (group, execution) in executions:
             joined = executions[(group, execution)]
             joined["turns"].extend(turns)
@@ -101,7 +112,8 @@ def read_dump(path: Path) -> tuple[int | None, list[Any]]:
     return (rollout_id if isinstance(rollout_id, int) and not isinstance(rollout_id, bool) else None), data["samples"]
 
 
-def _field(sample: Any, name: str) -> Any:
+def field(sample: Any, name: str) -> Any:
+    """A field of a ``Sample`` or of its ``to_dict()``."""
     return sample.get(name) if isinstance(sample, dict) else getattr(sample, name, None)
 
 
@@ -113,9 +125,9 @@ def _ids(value: Any) -> list[int]:
     )
 
 
-def _turns(sample: Any, token_ids: bool, decode: Decode | None, where: str) -> list[dict[str, Any]]:
-    n_response = int(_field(sample, "response_length") or 0)
-    raw_mask = _field(sample, "loss_mask")
+def _turns(sample: Any, token_ids: bool, decode: Decode | None, max_token_ids: int, where: str) -> list[dict[str, Any]]:
+    n_response = int(field(sample, "response_length") or 0)
+    raw_mask = field(sample, "loss_mask")
     if raw_mask is None:
         runs = [(0, n_response)] if n_response else []
     else:
@@ -126,13 +138,14 @@ def _turns(sample: Any, token_ids: bool, decode: Decode | None, where: str) -> l
     if not runs:
         return []
     if not token_ids and runs == [(0, n_response)]:  # one turn, sent as the text slime holds: no ids needed
-        prompt = _field(sample, "prompt")
+        prompt = field(sample, "prompt")
         text = render_plain(prompt) if is_conversation(prompt) else ("" if prompt is None else str(prompt))
-        return [{"prompt": text, "response": str(_field(sample, "response") or "")}]
-    tokens = _ids(_field(sample, "tokens"))
+        return [{"prompt": text, "response": str(field(sample, "response") or "")}]
+    tokens = _ids(field(sample, "tokens"))
     if n_response > len(tokens):
         raise ValueError(f"{where}: response_length {n_response} exceeds its {len(tokens)} tokens")
     prompt_ids, response_ids = tokens[: len(tokens) - n_response], tokens[len(tokens) - n_response :]
+    runs = _fitting(runs, len(prompt_ids), max_token_ids)
     if token_ids:
         return [
             {"prompt_token_ids": prompt_ids + response_ids[:start], "reasoning_token_ids": response_ids[start:end]}
@@ -160,6 +173,18 @@ def _model_runs(mask: Sequence[int]) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = None
     return runs
+
+
+def _fitting(runs: list[tuple[int, int]], n_prompt: int, max_token_ids: int) -> list[tuple[int, int]]:
+    """The first runs whose turns (turn k: the prompt, the response up to its run's end) hold at most
+    ``max_token_ids`` ids together, ``MAX_TURNS`` at most; the first run always."""
+    kept, n_ids = runs[:1], n_prompt + runs[0][1]
+    for start, end in runs[1:MAX_TURNS]:
+        n_ids += n_prompt + end
+        if n_ids > max_token_ids:
+            break
+        kept.append((start, end))
+    return kept
 
 
 def _reward(value: Any, reward_key: str | None, where: str) -> float | None:

@@ -11,6 +11,7 @@ Must not import the trainers.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from collapse_monitor.monitor import Monitor
 logger = logging.getLogger("collapse_monitor")
 
 PREFIX = "collapse/"
+STEP = f"{PREFIX}step"  # the step axis of the trackers whose own step only grows (W&B, Trackio)
 NAMES = ("mi_estimate", "retrieval_chance_corrected", "conditional_entropy_est")
 # Scored only from batches whose turns carry the trainer's log-probs (reasoning_logprobs): there when present.
 WHEN_SENT = ("trainer_scorer_logprob_gap",)
@@ -93,4 +95,27 @@ def merge_newest(figures: ScoredFigures, metrics: dict[str, Any]) -> None:
     if new:
         step, newest = max(new.items())
         metrics.update(newest)
-        metrics[f"{PREFIX}step"] = float(step)
+        metrics[STEP] = float(step)
+
+
+def write_wandb(step: int, figures: dict[str, float]) -> None:
+    """One row of ``figures`` in the current W&B run, plotted against ``collapse/step`` = ``step``.
+
+    ``wandb.log`` only moves its own step forward, and scoring lags training, so the figures of step
+    ``s`` go in a row of their own with ``collapse/step``, and ``define_metric`` gives each name that
+    axis (as transformers plots the trainer's figures against ``train/global_step`` and slime its
+    rollout's against ``rollout/step``). Nothing without a current run; raises what W&B raises.
+    """
+    run = importlib.import_module("wandb").run
+    if run is None:
+        return
+    # Each name defined exactly, not as a glob: wandb-core tries the globs that match a name in no set
+    # order, and transformers defines "*" against train/global_step.
+    for name in (STEP, *figures):
+        if (run.id, name) not in _WANDB_DEFINED:
+            run.define_metric(name, step_metric=STEP if name != STEP else None)
+            _WANDB_DEFINED.add((run.id, name))
+    run.log({**figures, STEP: step})
+
+
+_WANDB_DEFINED: set[tuple[str, str]] = set()  # (W&B run id, name): the names given their axis in each run

@@ -11,15 +11,19 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from trainer_writers import Slime, canonical
+from bench.serving import wait_until
+from trainer_writers import Sample, Slime, canonical
+from wandb_files import wandb_history
 
 from collapse_monitor import Monitor
+from collapse_monitor.batches import sample_indices
 from collapse_monitor.integrations import slime
+from collapse_monitor.slime_samples import trajectories
+from collapse_monitor.trackers import NAMES
 
 HERE = Path(__file__).parent
 
@@ -38,6 +42,9 @@ def policy_dir(tmp_path) -> Path:
 def fresh_monitors():
     """Each test starts as a fresh rollout manager: no monitor of an earlier test is reused."""
     yield
+    for figures in slime._feeds.values():
+        figures.close()
+    slime._feeds.clear()
     for monitor in slime._monitors.values():
         monitor.close(timeout=5)
     slime._monitors.clear()
@@ -176,15 +183,185 @@ def test_odd_samples_and_arguments_are_counted_never_raised_into_the_trainer(tmp
 
 
 @pytest.mark.usefixtures("fresh_monitors")
-def test_a_rollout_of_100000_samples_returns_at_once(tmp_path, monkeypatch, policy_dir):
+def test_a_rollout_of_100000_samples_sends_4096_in_whole_groups_and_reads_no_other(
+    service, run_name, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("COLLAPSE_MONITOR_URL", service.url)
+    monkeypatch.setenv("COLLAPSE_MONITOR_RUN", run_name)
+    monkeypatch.setenv("COLLAPSE_MONITOR_SPOOL_DIR", str(tmp_path / "spool"))
+    groups = [i // 8 for i in range(100_000)]  # 12,500 prompts of 8 samples, as slime numbers them
+    kept = set(sample_indices(groups, max_groups=None, max_rows=slime.MAX_ROWS, seed=0, step=5))
+    samples = [
+        Sample(group_index=g, index=i, prompt=f"prompt {g}", response=f"answer {i}", response_length=3, reward=i % 2)
+        if i in kept  # the others would fail the rollout if they were read: their length is not a number
+        else Sample(group_index=g, index=i, response_length=cast("int", "unreadable"))
+        for i, g in enumerate(groups)
+    ]
+    args = argparse.Namespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
+    assert slime.log_rollout(5, args, samples) is False
+    assert slime.wait_for_conversions(300)
+    assert slime._monitors[(service.url, run_name)].flush(60)
+    [batch] = service.payloads(run_name)  # taken: within the service's 4096 trajectories
+    sent = batch["trajectories"]
+    assert len(sent) == slime.MAX_ROWS == 4096
+    assert {t["turns"][0]["response"] for t in sent} == {f"answer {i}" for i in kept}
+    per_group = {t["group_id"]: sum(s["group_id"] == t["group_id"] for s in sent) for t in sent}
+    assert set(per_group.values()) == {8}  # whole groups: each prompt's reward spread intact
+
+
+@pytest.mark.usefixtures("fresh_monitors")
+def test_a_sample_of_2000_tool_turns_sends_its_first_turns_within_the_services_limits(
+    service, run_name, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("COLLAPSE_MONITOR_URL", service.url)
+    monkeypatch.setenv("COLLAPSE_MONITOR_RUN", run_name)
+    monkeypatch.setenv("COLLAPSE_MONITOR_TOKEN_IDS", "1")
+    monkeypatch.setenv("COLLAPSE_MONITOR_SPOOL_DIR", str(tmp_path / "spool"))
+    mask = [1] * 8 + ([0] * 8 + [1] * 8) * 2000  # a model run, then 2,000 tool observations each answered
+    prompt = list(range(10, 74))
+    samples = [
+        Sample(
+            group_index=0,
+            index=k,
+            tokens=prompt + [(k + i) % 400 + 5 for i in range(len(mask))],
+            response_length=len(mask),
+            loss_mask=mask,
+            reward=float(k),
+            status=Sample.Status.COMPLETED,
+        )
+        for k in range(2)
+    ]
+    args = argparse.Namespace(hf_checkpoint=None, save=None, wandb_group=None, reward_key=None)
+    assert slime.log_rollout(1, args, samples) is False
+    assert slime.wait_for_conversions(120)
+    assert slime._monitors[(service.url, run_name)].flush(60)
+    [batch] = service.payloads(run_name)
+    for sample, sent in zip(samples, sorted(batch["trajectories"], key=lambda t: t["reward"])):
+        # naively: turn k reads the prompt and every response token before its run; turns are kept while
+        # all of them together hold at most 65,536 ids (the service's max_token_ids)
+        response, expected, n_ids = sample.tokens[64:], [], 0
+        for start in range(0, len(mask), 16):
+            n_ids += 64 + start + 8
+            if n_ids > 65_536:
+                break
+            expected.append(
+                {"prompt_token_ids": prompt + response[:start], "reasoning_token_ids": response[start : start + 8]}
+            )
+        assert 60 < len(expected) < 2000
+        assert sent["turns"] == expected
+
+
+def test_a_sample_keeps_at_most_256_turns():
+    mask = [1, 0] * 2000
+    sample = {
+        "group_index": 0,
+        "index": 0,
+        "tokens": [7, *range(len(mask))],
+        "response_length": len(mask),
+        "loss_mask": mask,
+    }
+    [trajectory] = trajectories([sample], token_ids=True, max_token_ids=10**9)
+    assert [t["reasoning_token_ids"] for t in trajectory["turns"]] == [[2 * k] for k in range(256)]
+
+
+def slime_wandb_run(folder: Path, project: str) -> Any:
+    """The rollout manager's W&B run as slime opens it offline: ``init_wandb_secondary``, then the axes of
+    ``_init_wandb_common`` that its rollout figures use (slime/observability/wandb_utils.py, THUDM/slime
+    624b824a898ab0ec1fcb4d373004c7f3852bf515)."""
+    import wandb
+
+    run = wandb.init(project=project, dir=folder, settings=wandb.Settings(mode="offline"))
+    wandb.define_metric("rollout/step")
+    wandb.define_metric("rollout/*", step_metric="rollout/step")
+    return run
+
+
+@pytest.mark.usefixtures("fresh_monitors")
+def test_with_use_wandb_the_scored_figures_join_slimes_run_at_their_rollouts_step(
+    service, run_name, tmp_path, monkeypatch, policy_dir
+):
+    wandb = pytest.importorskip("wandb")
     from transformers import AutoTokenizer
 
-    monkeypatch.setenv("COLLAPSE_MONITOR_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("COLLAPSE_MONITOR_SPOOL_DIR", str(tmp_path / "spool"))
-    one = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir)).samples(1)
-    samples = (one * (100_000 // len(one) + 1))[:100_000]
-    args = argparse.Namespace(hf_checkpoint=str(policy_dir), save=None, wandb_group="big", reward_key="acc")
-    started = time.perf_counter()
-    assert slime.log_rollout(1, args, samples) is False
-    assert time.perf_counter() - started < 2.0  # generous: the figure (bench/abuse.py) is a few ms
-    assert slime.wait_for_conversions(300)
+    for name, value in {
+        "WANDB_SILENT": "true",
+        "COLLAPSE_MONITOR_URL": service.url,
+        "COLLAPSE_MONITOR_RUN": run_name,
+        "COLLAPSE_MONITOR_SPOOL_DIR": str(tmp_path / "spool"),
+        "COLLAPSE_MONITOR_WANDB_POLL_SECONDS": "0.1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    trainer = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir))
+    args = argparse.Namespace(
+        hf_checkpoint=str(policy_dir), save=None, wandb_group=None, reward_key="acc", use_wandb=True,
+        wandb_always_use_train_step=True, rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=3,
+    )  # fmt: skip
+    slime_step = {rollout_id: rollout_id * 3 * 2 // 3 for rollout_id in range(1, 5)}  # compute_rollout_step
+    slime_wandb_run(tmp_path, run_name)
+    for rollout_id in (1, 2, 3, 4):
+        assert slime.log_rollout(rollout_id, args, trainer.samples(rollout_id), {}, 1.0) is False
+        # slime's log_rollout_data then logs its own figures, since the function returned False
+        wandb.log({"rollout/raw_reward": 0.5, "rollout/step": slime_step[rollout_id]})
+        if rollout_id == 3:  # rollouts 1-3 scored and fetched before rollout 4: its call writes them
+            service.wait_until_processed(run_name, 3)
+            figures = slime._feeds[(service.url, run_name)]
+            wait_until(lambda: figures.next_step > 3, 60, "steps 1-3 fetched")  # noqa: B023  # called at once
+    wandb.finish()
+
+    stored = {
+        (slime_step[point["step"]], f"collapse/{point['sampler']}/{point['name']}"): point["value"]
+        for point in slime._monitors[(service.url, run_name)].metrics(NAMES, to_step=3)
+    }
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, axes = wandb_history(run_file)
+    collapse_rows = [row for row in history if "collapse/step" in row]
+    assert [row["collapse/step"] for row in collapse_rows] == [2, 4, 6]  # in step order, at slime's steps
+    written_names = {name for _, name in stored}
+    written = {
+        (row["collapse/step"], name): value
+        for row in collapse_rows
+        for name, value in row.items()
+        if name in written_names
+    }
+    assert written == pytest.approx(stored)
+    assert len(stored) >= 3 * len(NAMES)
+    defined = {
+        axes[name] for row in collapse_rows for name in row if name.startswith("collapse/") and name != "collapse/step"
+    }
+    assert defined == {"collapse/step"}
+    assert axes["rollout/*"] == "rollout/step"  # slime's own series keep their axis
+    assert [row["rollout/step"] for row in history if "rollout/step" in row] == [2, 4, 6, 8]
+
+
+@pytest.mark.usefixtures("fresh_monitors")
+def test_with_use_wandb_and_the_service_down_slimes_logging_goes_on_unchanged(tmp_path, monkeypatch, policy_dir):
+    wandb = pytest.importorskip("wandb")
+    from transformers import AutoTokenizer
+
+    for name, value in {
+        "WANDB_SILENT": "true",
+        "COLLAPSE_MONITOR_URL": "http://127.0.0.1:9",  # nothing listens
+        "COLLAPSE_MONITOR_RUN": "down",
+        "COLLAPSE_MONITOR_SPOOL_DIR": str(tmp_path / "spool"),
+        "COLLAPSE_MONITOR_WANDB_POLL_SECONDS": "0.1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    trainer = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir))
+    args = argparse.Namespace(
+        hf_checkpoint=str(policy_dir), save=None, wandb_group=None, reward_key="acc", use_wandb=True
+    )
+    slime_wandb_run(tmp_path, "down")
+    for rollout_id in (1, 2, 3):
+        assert slime.log_rollout(rollout_id, args, trainer.samples(rollout_id), {}, 1.0) is False
+        wandb.log({"rollout/raw_reward": 0.5, "rollout/step": rollout_id})
+        wait_until(
+            lambda n=rollout_id: slime._monitors[("http://127.0.0.1:9", "down")].stats().read_errors >= 2 * n,
+            60,
+            "polled",
+        )
+    wandb.finish()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, _ = wandb_history(run_file)
+    assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in history] == [
+        {"rollout/raw_reward": 0.5, "rollout/step": step} for step in (1, 2, 3)
+    ]

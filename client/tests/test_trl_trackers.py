@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import pytest
 from tiny_trainer import FIRE_AT_ONCE, ROOMS, grpo_config, paced_trainer, tiny_policy
+from wandb_files import wandb_history
 
 from collapse_monitor import Monitor
 from collapse_monitor.trackers import NAMES
@@ -46,44 +47,6 @@ def trackio_rows(project: str) -> list[dict]:
         return [json.loads(metrics) for (metrics,) in db.execute("SELECT metrics FROM metrics ORDER BY id")]
     finally:
         db.close()
-
-
-def wandb_records(run_file: Path) -> list:
-    """The records of an offline W&B run's ``.wandb`` file, parsed with W&B's own protobuf ``Record``.
-
-    The file is a LevelDB log (as wandb-core writes it): a 7-byte header (``:W&B``, magic, version),
-    then 32 KiB blocks of chunks, each a 4-byte checksum, a 2-byte little-endian length and a type
-    (1 a whole record, 2-4 its first, middle and last pieces); a block's last 6 bytes or fewer are padding.
-    """
-    from wandb.proto.wandb_internal_pb2 import Record
-
-    data, block, at, pending, records = run_file.read_bytes(), 32768, 7, b"", []
-    while at + 7 <= len(data):
-        if block - at % block < 7:
-            at += block - at % block
-            continue
-        length, kind = int.from_bytes(data[at + 4 : at + 6], "little"), data[at + 6]
-        pending += data[at + 7 : at + 7 + length]
-        at += 7 + length
-        if kind in (1, 4):
-            record = Record()
-            record.ParseFromString(pending)
-            records.append(record)
-            pending = b""
-    return records
-
-
-def wandb_history(run_file: Path) -> tuple[list[dict], dict[str, str]]:
-    """An offline W&B run's history rows, as logged, and each defined metric's step axis (``{name: step_metric}``)."""
-    history, axes = [], {}
-    for record in wandb_records(run_file):
-        if record.WhichOneof("record_type") == "history":
-            history.append(
-                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            )
-        elif record.WhichOneof("record_type") == "metric" and record.metric.step_metric:
-            axes[record.metric.name or record.metric.glob_name] = record.metric.step_metric
-    return history, axes
 
 
 # TRL 1.16's GRPOConfig still sets the name transformers 5.24 deprecated; nothing for us to change.

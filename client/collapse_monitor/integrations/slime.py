@@ -20,7 +20,8 @@ export them before ``ray start``):
   its ``--save`` folder.
 * ``COLLAPSE_MONITOR_TOKEN``: an ingest token, when the service has tokens.
 * ``COLLAPSE_MONITOR_SETTINGS``: run settings as JSON (``{"schedule": {"every": 5}}``).
-* ``COLLAPSE_MONITOR_MAX_GROUPS``, ``COLLAPSE_MONITOR_MAX_ROWS``: send at most this much per rollout.
+* ``COLLAPSE_MONITOR_MAX_GROUPS``, ``COLLAPSE_MONITOR_MAX_ROWS``: send at most this much per rollout
+  (default: at most ``MAX_ROWS`` samples, whole prompt groups drawn at random).
 * ``COLLAPSE_MONITOR_TOKEN_IDS=1``: send token ids instead of text (a scorer sharing the policy's
   tokenizer). Text is the default; multi-turn samples are decoded with the tokenizer of
   ``--hf-checkpoint``, loaded once.
@@ -28,6 +29,18 @@ export them before ``ray start``):
 
 Rewards are read at ``--reward-key`` when samples carry dict rewards. A rollout that cannot be
 read is counted as invalid and logged, never raised into the trainer.
+
+With ``--use-wandb``, the scored figures also go into slime's W&B run, under ``collapse/``
+(``collapse/<sampler>/mi_estimate``, ..., the alert states; ``trackers``): a thread polls the
+service every ``COLLAPSE_MONITOR_WANDB_POLL_SECONDS`` (default 10), and each ``log_rollout`` call
+writes the steps scored since the last one, each in a row of its own plotted against
+``collapse/step``: the step slime's own figures of that rollout have (``rollout/step``:
+``rollout_id``, or the train step under ``--wandb-always-use-train-step``). Scoring lags the
+rollouts, so a rollout's figures arrive with a later rollout's call (the last rollouts' stay in the
+service). The run written is the rollout manager's: slime's secondary W&B run
+(``init_tracking(args, primary=False)``, slime/ray/rollout.py). ``COLLAPSE_MONITOR_WANDB=0`` turns
+this off. While the service is down nothing is fetched or written, and a failed write is logged
+once: slime's own logging goes on.
 """
 
 from __future__ import annotations
@@ -42,9 +55,19 @@ from typing import Any
 
 from collapse_monitor.completion_files import MissingExtraError
 from collapse_monitor.monitor import Monitor
-from collapse_monitor.slime_samples import Decode, tokenizer_decode, trajectories
+from collapse_monitor.slime_samples import MAX_SAMPLE_TOKEN_IDS, Decode, field, tokenizer_decode, trajectories
+from collapse_monitor.trackers import ScoredFigures, write_wandb
 
 logger = logging.getLogger("collapse_monitor")
+
+# What one rollout sends at most. The service takes at most 4096 trajectories a batch (max_trajectories) and
+# scores sampler.num_samples rows of them (64 by default); 4096 rows of whole groups keep those rows spread
+# over as many groups as the whole rollout would (64 draws from 512 groups of 8 meet ~60 groups). Drawn
+# before anything is read, so a 100,000-sample rollout costs what a 4096-sample one does.
+MAX_ROWS = 4096
+# The token ids of a rollout's kept turns, shared among its samples (each at most MAX_SAMPLE_TOKEN_IDS): a
+# batch of 4M ids is ~24 MB of JSON, within the service's 32 MB max_body_bytes.
+ROLLOUT_TOKEN_IDS = 1 << 22
 
 # One monitor (and one tokenizer) per process: slime loads this function anew each rollout, but the
 # module, and so these, live as long as the rollout manager.
@@ -55,6 +78,7 @@ _warned: set[str] = set()
 # before the monitors flush (threading's exit hooks run before atexit's).
 _conversions = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="collapse-monitor-slime")
 _pending: list[futures.Future[None]] = []
+_feeds: dict[tuple[str, str], ScoredFigures] = {}  # the scored figures each run's W&B feed polls
 
 
 def log_rollout(
@@ -77,7 +101,14 @@ def log_rollout(
         token_ids = os.environ.get("COLLAPSE_MONITOR_TOKEN_IDS", "").lower() in ("1", "true", "yes")
         # list(): a shallow copy, so a trainer reusing its list does not change what is read later
         work = (monitor, rollout_id, list(samples), getattr(args, "reward_key", None), token_ids, _decoder(args))
+        _pending[:] = [future for future in _pending if not future.done()]
         _pending.append(_conversions.submit(_convert, *work))
+        if (
+            isinstance(rollout_id, int)
+            and getattr(args, "use_wandb", False)
+            and os.environ.get("COLLAPSE_MONITOR_WANDB", "1") not in ("0", "false")
+        ):
+            _feed_wandb(monitor, args, rollout_id)
     except Exception:  # the trainer's boundary: whatever slime hands us, its rollout loop goes on
         logger.exception("collapse-monitor: rollout %s not queued", rollout_id)
     return False
@@ -95,7 +126,11 @@ def _convert(
     monitor: Monitor, rollout_id: Any, samples: list[Any], reward_key: Any, token_ids: bool, decode: Decode | None
 ) -> None:
     try:
-        rows = trajectories(samples, reward_key=reward_key, token_ids=token_ids, decode=decode)
+        # Drawn from group indices alone (slime sets group_index on every sample it generates), then read.
+        kept = monitor.sample_indices(rollout_id, [_group(sample) for sample in samples])
+        share = min(MAX_SAMPLE_TOKEN_IDS, ROLLOUT_TOKEN_IDS // max(len(kept), 1))
+        chosen = [samples[i] for i in kept]
+        rows = trajectories(chosen, reward_key=reward_key, token_ids=token_ids, decode=decode, max_token_ids=share)
     except (ValueError, TypeError, AttributeError, OSError, MissingExtraError) as e:
         monitor.invalid(rollout_id, f"cannot read slime's samples: {e}", e)
         return
@@ -109,6 +144,37 @@ def _convert(
             monitor.invalid(rollout_id, f"none of the {len(samples)} samples holds a model token")
     except Exception as e:  # a strict monitor raises what it counts; here no trainer is there to catch it
         logger.error("collapse-monitor: rollout %s not sent: %s", rollout_id, e)
+
+
+def _feed_wandb(monitor: Monitor, args: Any, rollout_id: int) -> None:
+    """Writes the steps scored since the last rollout into slime's W&B run; the first call starts the polling.
+
+    Written here, on the rollout manager's thread, rather than on the polling thread: W&B's run is
+    slime's, which it finishes at its end, and a write from a thread of ours could race that.
+    """
+    figures = _feeds.get((monitor.url, monitor.run))
+    if figures is None:
+        seconds = float(os.environ.get("COLLAPSE_MONITOR_WANDB_POLL_SECONDS") or 10.0)
+        # A resumed trainer starts past its checkpoint: the steps before were written by the process that made them.
+        _feeds[(monitor.url, monitor.run)] = ScoredFigures(monitor, seconds, next_step=rollout_id).start()
+        return
+    for step, new in figures.take().items():  # in step order
+        try:
+            write_wandb(_wandb_step(args, step), new)
+        except Exception as e:  # W&B's failure must not reach slime, nor fill its log
+            _warn_once("wandb", f"collapse-monitor: scored figures not written to W&B ({e}); later failures not logged")
+
+
+def _wandb_step(args: Any, rollout_id: int) -> int:
+    """The W&B step slime gives a rollout's figures (``compute_rollout_step``, slime/observability/metric_utils.py)."""
+    if getattr(args, "wandb_always_use_train_step", False):
+        return int(rollout_id * args.rollout_batch_size * args.n_samples_per_prompt // args.global_batch_size)
+    return rollout_id
+
+
+def _group(sample: Any) -> Any:
+    group = field(sample, "group_index")
+    return group if isinstance(group, int) else repr(group)  # only a group's equality matters here
 
 
 def _monitor(args: Any) -> Monitor | None:
@@ -129,7 +195,7 @@ def _monitor(args: Any) -> Monitor | None:
                 run,
                 run_settings=settings,
                 max_groups=_positive("COLLAPSE_MONITOR_MAX_GROUPS"),
-                max_rows=_positive("COLLAPSE_MONITOR_MAX_ROWS"),
+                max_rows=_positive("COLLAPSE_MONITOR_MAX_ROWS") or MAX_ROWS,
             )
         except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
             _warn_once("config", f"collapse-monitor: cannot start: {e}; nothing is sent")

@@ -10,7 +10,8 @@ order, through the tracker the trainer set up:
   step the figures belong to: ``add_scalar(name, value, step)``.
 * **W&B**: ``wandb.log`` can only move its step forward, so the figures go in a row of their own with
   ``collapse/step``, the step they belong to, and ``define_metric(name, step_metric="collapse/step")``
-  plots each against it, as transformers plots the trainer's figures against ``train/global_step``.
+  plots each against it, as transformers plots the trainer's figures against ``train/global_step``
+  (``trackers.write_wandb``, which slime's hook uses too).
 * **Trackio**: the same as W&B. Trackio takes an explicit step, but transformers' ``TrackioCallback``
   logs without one (Trackio's step there counts the trainer's log calls; the training step is the
   ``train/global_step`` figure), and an explicit step past Trackio's counter would move that counter,
@@ -38,11 +39,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from collapse_monitor.monitor import Monitor
-from collapse_monitor.trackers import PREFIX, ScoredFigures
+from collapse_monitor.trackers import STEP, ScoredFigures, write_wandb
 
 logger = logging.getLogger("collapse_monitor")
-
-STEP = f"{PREFIX}step"  # the step axis of the trackers whose own step only grows
 
 
 def _tensorboard(callback: Any, step: int, figures: dict[str, float]) -> None:
@@ -59,19 +58,7 @@ def _trackio(_callback: Any, step: int, figures: dict[str, float]) -> None:
 
 
 def _wandb(_callback: Any, step: int, figures: dict[str, float]) -> None:
-    run = importlib.import_module("wandb").run
-    if run is None:
-        return
-    # Each name defined exactly, not as a glob: wandb-core tries the globs that match a name in no set
-    # order, and transformers defines "*" against train/global_step.
-    for name in (STEP, *figures):
-        if (run.id, name) not in _WANDB_DEFINED:
-            run.define_metric(name, step_metric=STEP if name != STEP else None)
-            _WANDB_DEFINED.add((run.id, name))
-    run.log({**figures, STEP: step})
-
-
-_WANDB_DEFINED: set[tuple[str, str]] = set()  # (W&B run id, name): the names given their axis in each run
+    write_wandb(step, figures)
 
 
 # transformers' reporting callbacks, by class name (TrackioCallback is recent; no version is imported).
