@@ -127,9 +127,9 @@ def test_malformed_trajectories_are_named(trajectories, message):
 
 def test_the_batch_key_is_the_same_for_the_same_content_and_differs_for_other_content():
     rows = normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}])
-    key, body = encode("grpo-1", 7, rows)
-    again, body_again = encode("grpo-1", 7, normalize([{"response": "r", "prompt": "p", "reward": 1.0, "group": 0}]))
-    other, _ = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 0, "prompt": "p", "response": "r"}]))
+    key, body, _ = encode("grpo-1", 7, rows)
+    again, body_again, _ = encode("grpo-1", 7, normalize([{"response": "r", "prompt": "p", "reward": 1.0, "group": 0}]))
+    other, _, _ = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 0, "prompt": "p", "response": "r"}]))
     assert key == again
     assert body == body_again
     assert key.startswith("grpo-1-7-")
@@ -139,14 +139,16 @@ def test_the_batch_key_is_the_same_for_the_same_content_and_differs_for_other_co
 
 
 def test_an_explicit_idempotency_key_overrides_the_content_key():
-    key, body = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}]), "mine")
+    key, body, _ = encode(
+        "grpo-1", 7, normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}]), "mine"
+    )
     assert key == "mine"
     assert json.loads(body)["idempotency_key"] == "mine"
 
 
 def test_a_passed_through_field_that_utf8_cannot_hold_is_sent_as_a_json_escape():
     rows = normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r", "note": "caf\u00e9 \ud800"}])
-    _, body = encode("run", 1, rows)
+    _, body, _ = encode("run", 1, rows)
     assert json.loads(body)["trajectories"][0]["note"] == "caf\u00e9 \ud800"
 
 
