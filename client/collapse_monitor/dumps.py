@@ -53,9 +53,9 @@ class DumpError(ValueError):
     """A dump line that is not JSON or fits none of the formats; the message names file and line."""
 
 
-# A line past the service's body limit (32 MiB by default) could never be sent; reading stops there so a
-# file with no newline (2 GB of NULs) costs one line's bytes, not the file's.
-MAX_LINE_BYTES = 32 * 1024 * 1024
+# A line past the service's body limit could never be sent; reading stops there so a file with no newline
+# (2 GB of NULs) costs one line's bytes, not the file's.
+MAX_LINE_BYTES = BatchLimits.max_body_bytes
 
 
 def read_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict[str, Any], int]]:
