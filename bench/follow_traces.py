@@ -106,7 +106,7 @@ def measure(megabytes: float, episodes: int, client_path: Path, extra: list[str]
             "DEFAULT_SCORER": "tiny-random",
             "SCORING_PAUSED": "true",
         }
-        with served(settings) as url:
+        with served(settings, ready_seconds=900) as url:  # a busy machine starts the service slowly
             followed = follow_once(url, folder, Path(tmp) / "spool", client_path, extra)
         with sqlite3.connect(f"{tmp}/monitor.db") as db:
             stored = [n for (n,) in db.execute("select length(cast(payload as blob)) from batches order by created_at")]
