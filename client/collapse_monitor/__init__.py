@@ -13,7 +13,7 @@ SNR-aware filter (``SNRFilter``) in the trainer. Command line: ``collapse-monito
 """
 
 from collapse_monitor.alerts import AlertActions, AlertEvent
-from collapse_monitor.batches import TrajectoryError
+from collapse_monitor.batches import BatchLimits, TrajectoryError
 from collapse_monitor.engagement import FilterEngagement
 from collapse_monitor.monitor import Monitor, MonitorError, default_spool_dir
 from collapse_monitor.sender import Stats
@@ -23,6 +23,7 @@ from collapse_monitor.version import __version__
 __all__ = [
     "AlertActions",
     "AlertEvent",
+    "BatchLimits",
     "FilterEngagement",
     "Monitor",
     "MonitorError",

@@ -1,7 +1,8 @@
-"""One training step's trajectories as the service takes them: normalised, sampled and keyed.
+"""One training step's trajectories as the service takes them: normalised, sampled, fitted to its limits and keyed.
 
-Owns the batch wire format, client-side sampling and the idempotency key derived from a batch's
-content. Pure Python: must not import httpx, threads or the integrations.
+Owns the batch wire format, client-side sampling, the service's batch limits as the client fits a
+step to them, and the idempotency key derived from a batch's content. Pure Python: must not import
+httpx, threads or the integrations.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import math
 import random
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 # A turn given at the top level of a trajectory (single-turn shorthand) is made of these keys.
 TURN_KEYS = (
@@ -31,6 +33,105 @@ GROUP_KEYS = ("group_id", "group")
 FIGURE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./:@-]{0,79}$")
 MAX_FIGURES = 256
 MAX_ABS_FIGURE = 1e15
+# Room left in a body for all but its trajectories: the key (at most 200 characters), the step and up to
+# MAX_FIGURES figures (~100 bytes each).
+HEAD_BYTES = 64 * 1024
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one batch may hold: the service's defaults (service/settings.py, docs/settings.md).
+
+    The service refuses a whole batch past any of them (413); the client fits a step to them instead:
+    whole groups past the body's size or trajectory count are left out (``GroupFit``), and readers of
+    long traces cut what one turn or trajectory holds (``prime_rl_traces``). A service configured with
+    smaller limits needs them given here (``Monitor(limits=...)``, ``--max-body-bytes``).
+    """
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_trajectories: int = 4096
+    max_turns: int = 256
+    max_text_chars: int = 400_000
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 2 * HEAD_BYTES:
+            raise ValueError(f"max_body_bytes must be at least {2 * HEAD_BYTES}, got {self.max_body_bytes}")
+        for name in ("max_trajectories", "max_turns", "max_text_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def trajectory_bytes(self) -> int:
+        """Bytes the trajectories of one body may take: the body less room for its key, step and figures."""
+        return self.max_body_bytes - HEAD_BYTES
+
+
+class GroupFit(Generic[T]):
+    """Whole prompt groups, in order of first appearance, while they fit one body.
+
+    ``add`` takes trajectories one at a time with their group and encoded size; one that would pass
+    ``max_bytes`` or ``max_trajectories`` leaves its whole group out, the rows of it kept so far too
+    (freed at once), so every kept group keeps its reward spread; later groups may still fit. Holds at
+    most ``max_bytes`` of kept items, whatever it is given.
+    """
+
+    def __init__(self, max_bytes: int, max_trajectories: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_trajectories = max_trajectories
+        self.n_kept = 0
+        self.kept_bytes = 0
+        self.left_out: dict[Hashable, int] = {}  # group -> its trajectories left out
+        self._groups: dict[Hashable, list[tuple[int, T, int]]] = {}  # group -> (arrival, item, bytes)
+        self._arrivals = 0
+
+    def add(self, group: Hashable, item: T, n_bytes: int) -> None:
+        self._arrivals += 1
+        if group in self.left_out:
+            self.left_out[group] += 1
+            return
+        if self.n_kept + 1 > self.max_trajectories or self.kept_bytes + n_bytes > self.max_bytes:
+            dropped = self._groups.pop(group, [])
+            self.n_kept -= len(dropped)
+            self.kept_bytes -= sum(size for _, _, size in dropped)
+            self.left_out[group] = len(dropped) + 1
+            return
+        self._groups.setdefault(group, []).append((self._arrivals, item, n_bytes))
+        self.n_kept += 1
+        self.kept_bytes += n_bytes
+
+    def items(self) -> list[T]:
+        """The kept items, in the order they were added."""
+        return [item for _, item, _ in sorted((e for g in self._groups.values() for e in g), key=lambda e: e[0])]
+
+    def describe_left_out(self, limit: int = 5) -> str:
+        """``3 groups (12 trajectories): 'g1', 'g2', 'g7'`` for a log line; the first ``limit`` named."""
+        named = ", ".join(repr(g) for g in list(self.left_out)[:limit])
+        more = f" and {len(self.left_out) - limit} more" if len(self.left_out) > limit else ""
+        return f"{len(self.left_out)} groups ({sum(self.left_out.values())} trajectories): {named}{more}"
+
+
+def group_of(trajectory: Mapping[str, Any]) -> Hashable:
+    """The key that makes a trajectory's group before ``normalize`` (its group id, else its first prompt)."""
+    for key in GROUP_KEYS:
+        if trajectory.get(key) is not None:
+            value = _as_list(trajectory[key])
+            return value if isinstance(value, Hashable) else repr(value)
+    turns = trajectory.get("turns")
+    first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], Mapping) else trajectory
+    prompt = first.get("prompt")
+    return prompt if isinstance(prompt, str) else repr(first.get("prompt_token_ids"))
+
+
+def json_bytes(value: Any) -> bytes:
+    """The canonical JSON of ``value`` as bodies hold it: sorted keys, no spaces, UTF-8.
+
+    A lone surrogate (undecodable bytes a tokenizer let through) has no UTF-8 form; written as a
+    JSON escape it stays valid JSON and the service decides what to do with it.
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return text.encode("utf-8", "backslashreplace")
 
 
 class TrajectoryError(ValueError):
@@ -241,24 +342,41 @@ def encode(
     trajectories: list[dict[str, Any]],
     idempotency_key: str | None = None,
     figures: Mapping[str, float] | None = None,
-) -> tuple[str, bytes]:
-    """The request body of one batch and its idempotency key (``idempotency_key``).
+    limits: BatchLimits | None = None,
+) -> tuple[str, bytes, GroupFit[bytes]]:
+    """The request body of one batch, its idempotency key and what was fitted to ``limits``.
 
     ``figures``: the trainer's own figures of the step (``sendable_figures``), sent with it. The key is
     ``{run}-{step}-{content hash}``: a replay of the same batch (a retry, a spooled copy,
     a resumed trainer sending a step again) is recognised by the service, while other content at the
     same step (a re-run under the same run name) is a new batch instead of a 409 conflict. The
-    content is canonical JSON (sorted keys, no spaces), so equal batches hash equally.
+    content is canonical JSON (``json_bytes``), so equal batches hash equally.
+
+    Whole groups past the body's size or trajectory count are left out (``fit.left_out``: group id ->
+    trajectories): the service scores the groups of one body together, so a step sent as two bodies
+    would be two scorings of halves, not one. When not even one whole group fits, the first group's
+    trajectories that fit are sent; one trajectory over the limit alone is sent as it is, and refused.
     """
-    content = json.dumps(
-        {"step": step, "trajectories": trajectories, **({"figures": dict(figures)} if figures else {})},
-        sort_keys=True,
-        separators=(",", ":"),
-        ensure_ascii=False,
-        allow_nan=False,
-    )
-    # A lone surrogate (undecodable bytes a tokenizer let through) has no UTF-8 form; written as a
-    # JSON escape it stays valid JSON and the service decides what to do with it.
-    data = content.encode("utf-8", "backslashreplace")
+    limits = limits or BatchLimits()
+    fit: GroupFit[bytes] = GroupFit(limits.trajectory_bytes, limits.max_trajectories)
+    for trajectory in trajectories:
+        piece = json_bytes(trajectory)
+        fit.add(trajectory["group_id"], piece, len(piece) + 1)  # + its comma
+    pieces = fit.items()
+    if not pieces:  # no whole group fits: the first group's trajectories that do, else its first alone
+        first = trajectories[0]["group_id"]
+        budget = limits.trajectory_bytes
+        for trajectory in (t for t in trajectories if t["group_id"] == first):
+            piece = json_bytes(trajectory)
+            if len(piece) + 1 <= budget and len(pieces) < limits.max_trajectories:
+                pieces.append(piece)
+                budget -= len(piece) + 1
+        pieces = pieces or [json_bytes(trajectories[0])]
+        fit.left_out[first] -= len(pieces)
+        if not fit.left_out[first]:
+            del fit.left_out[first]
+    # The keys in canonical order ("figures" < "step" < "trajectories"): equal to json_bytes of the whole.
+    head = json_bytes({"step": step, **({"figures": dict(figures)} if figures else {})})
+    data = b"".join([head[:-1], b',"trajectories":[', b",".join(pieces), b"]}"])
     key = idempotency_key or f"{run}-{step}-{hashlib.sha256(data).hexdigest()[:16]}"
-    return key, b'{"idempotency_key":' + json.dumps(key).encode() + b"," + data[1:]
+    return key, b'{"idempotency_key":' + json.dumps(key).encode() + b"," + data[1:], fit

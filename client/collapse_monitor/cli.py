@@ -31,6 +31,7 @@ from types import FrameType
 from typing import Any, NoReturn
 
 from collapse_monitor.alerts import STATES
+from collapse_monitor.batches import BatchLimits
 from collapse_monitor.completion_files import CompletionFileError, MissingExtraError, chat_template_from, parse_weights
 from collapse_monitor.dumps import DumpError
 from collapse_monitor.follow import AlertHook, Follower, default_state_path
@@ -157,6 +158,20 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", help='run settings as JSON, e.g. \'{"schedule": {"every": 5}}\'')
     parser.add_argument("--max-groups", type=int, help="send at most this many prompt groups per step")
     parser.add_argument("--max-rows", type=int, help="send at most this many trajectories per step")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=BatchLimits.max_body_bytes,
+        help="the service's max_body_bytes, when not its default: a step is read and sent up to it, in whole "
+        f"groups (default {BatchLimits.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--max-text-chars",
+        type=int,
+        default=BatchLimits.max_text_chars,
+        help="prime-rl: a prompt keeps at most its last this many characters, a response its first (default "
+        f"{BatchLimits.max_text_chars}, the service's max_text_chars; long agent traces: see docs/client.md)",
+    )
     parser.add_argument("--spool-dir", type=Path, help="where undelivered batches wait (default: user cache)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
 
@@ -196,8 +211,16 @@ def _reading(args: argparse.Namespace) -> Reading:
             trust_pickle=args.trust_pickle,
             reward_key=args.reward_key,
             decode=tokenizer_decode(args.tokenizer) if args.tokenizer else None,
+            limits=_limits(args),
         )
     except (ValueError, OSError, MissingExtraError) as e:
+        raise UsageError(str(e)) from e
+
+
+def _limits(args: argparse.Namespace) -> BatchLimits:
+    try:
+        return BatchLimits(max_body_bytes=args.max_body_bytes, max_text_chars=args.max_text_chars)
+    except ValueError as e:
         raise UsageError(str(e)) from e
 
 
@@ -217,6 +240,7 @@ def _monitor(args: argparse.Namespace) -> Monitor:
             run_settings=settings,
             max_groups=args.max_groups,
             max_rows=args.max_rows,
+            limits=_limits(args),
             spool_dir=args.spool_dir,
             durable=True,  # a batch is on disk before the file that held it counts as sent
             token=args.token,

@@ -23,38 +23,48 @@ The line formats, told apart line by line:
 * a **prime-rl episode** (``rollouts/step_{N}/.../traces.jsonl``): verifiers' ``Episode.to_record()``,
   read by ``prime_rl_traces``; the step is the ``step_{N}`` folder's (given as ``step``).
 
+Lines are read and converted one at a time, and a step holds only what one body can send
+(``batches.GroupFit``): whole groups past the service's limits of one batch are left out as they
+come and named in the log, so reading holds about one body per step, not what the file expands to
+(verl rows are the exception: a session's turns may be anywhere in the file, so its rows are kept
+until the end). An episode record's trajectories are bounded to its share of that body, its line's
+share of the file's bytes (``prime_rl_traces``).
+
 Must not import httpx or the monitor.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from collapse_monitor.batches import BatchLimits, GroupFit, group_of
 from collapse_monitor.conversations import Render, is_conversation, render_plain
 from collapse_monitor.prime_rl_traces import episode_trajectories, is_episode_record
+
+logger = logging.getLogger("collapse_monitor")
 
 
 class DumpError(ValueError):
     """A dump line that is not JSON or fits none of the formats; the message names file and line."""
 
 
-# A line past the service's body limit (32 MiB by default) could never be sent; reading stops there so a
-# file with no newline (2 GB of NULs) costs one line's bytes, not the file's.
-MAX_LINE_BYTES = 32 * 1024 * 1024
+# A line past the service's body limit could never be sent; reading stops there so a file with no newline
+# (2 GB of NULs) costs one line's bytes, not the file's.
+MAX_LINE_BYTES = BatchLimits.max_body_bytes
 
 
-def read_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line.
+def read_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """(line number, object, the line's bytes) of every non-blank line, read as they are asked for.
 
     Raises:
         DumpError: a line is longer than ``max_line_bytes``, not UTF-8, not JSON, nested too deep to
             parse, or not an object.
     """
-    rows = []
     with open(path, "rb") as f:
         for number, raw in enumerate(iter(lambda: f.readline(max_line_bytes + 1), b""), 1):
             if len(raw) > max_line_bytes:
@@ -75,8 +85,7 @@ def read_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> list[tuple[i
                 raise DumpError(f"{path}:{number}: JSON nested too deep to read") from e
             if not isinstance(value, dict):
                 raise DumpError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
-            rows.append((number, value))
-    return rows
+            yield number, value, len(raw)
 
 
 def is_verl_row(row: Mapping[str, Any]) -> bool:
@@ -92,50 +101,91 @@ def is_roll_batch(row: Mapping[str, Any]) -> bool:
 
 
 def batches_of(
-    rows: Iterable[tuple[int, Mapping[str, Any]]],
+    rows: Iterable[tuple[int, Mapping[str, Any], int]],
     where: str,
     step: int | None = None,
     render: Render | None = None,
+    limits: BatchLimits | None = None,
+    total_bytes: int | None = None,
 ) -> dict[int, list[Any]]:
     """Trajectories per step, steps in order of first appearance (see the module docstring).
 
-    ``step`` fills in rows without one; ``render`` turns a conversation into prompt text (ROLL's
-    ``messages``, prime-rl's conversations; default ``conversations.render_plain``).
+    ``rows``: (line number, object, its bytes). ``step`` fills in rows without one; ``render`` turns a
+    conversation into prompt text (ROLL's ``messages``, prime-rl's conversations; default
+    ``conversations.render_plain``). Each step keeps the whole groups that fit one body of ``limits``;
+    ``total_bytes`` (the lines' bytes together) gives each prime-rl record its share of that body.
     """
     render = render or render_plain
-    by_step: dict[int, list[Any]] = {}
+    limits = limits or BatchLimits()
+    fits: dict[int, GroupFit[Any]] = {}
     verl: dict[int, list[Mapping[str, Any]]] = {}
-    for number, row in rows:
+
+    def keep(row_step: int, trajectories: Iterable[Any]) -> None:
+        fit = fits.setdefault(row_step, GroupFit(limits.trajectory_bytes, limits.max_trajectories))
+        for trajectory in trajectories:
+            fit.add(_group(trajectory), trajectory, _size(trajectory))
+
+    for number, row, n_bytes in rows:
         row_step = _roll_step(row, step, f"{where}:{number}") if is_roll_batch(row) else row.get("step", step)
         if isinstance(row_step, bool) or not isinstance(row_step, int) or row_step < 0:
             raise DumpError(f"{where}:{number}: needs an integer step (a 'step' field or --step), got {row_step!r}")
-        if "trajectories" in row:
-            if not isinstance(row["trajectories"], list):
-                raise DumpError(f"{where}:{number}: trajectories must be a list")
-            by_step.setdefault(row_step, []).extend(row["trajectories"])
-        elif is_verl_row(row):
-            by_step.setdefault(row_step, [])
+        if is_verl_row(row):
+            keep(row_step, [])
             verl.setdefault(row_step, []).append(row)
-        elif is_areal_row(row):
-            by_step.setdefault(row_step, []).append(_areal_trajectory(row, f"{where}:{number}"))
-        elif is_roll_batch(row):
-            by_step.setdefault(row_step, []).extend(_roll_trajectories(row, f"{where}:{number}", render))
-        elif is_episode_record(row):
-            try:
-                by_step.setdefault(row_step, []).extend(episode_trajectories(row, render))
-            except (KeyError, TypeError, ValueError) as e:
-                raise DumpError(f"{where}:{number}: not a verifiers episode record as prime-rl writes it: {e!r}") from e
-        elif "turns" in row or "prompt" in row or "prompt_token_ids" in row:
-            by_step.setdefault(row_step, []).append({k: v for k, v in row.items() if k != "step"})
         else:
-            raise DumpError(
-                f"{where}:{number}: expected a batch (trajectories), a trajectory (turns or prompt), a verl row "
-                f"(input, output), an AReaL row (task_id, completion), a ROLL batch (responses, scores) or a "
-                f"prime-rl episode (task, traces), got keys {sorted(row)}"
-            )
+            share = limits.trajectory_bytes * n_bytes // max(total_bytes or n_bytes, n_bytes)
+            keep(row_step, _row_trajectories(row, f"{where}:{number}", render, limits, share))
     for row_step, verl_rows in verl.items():
-        by_step[row_step].extend(verl_trajectories(verl_rows))
-    return by_step
+        keep(row_step, verl_trajectories(verl_rows))
+    for row_step, fit in fits.items():
+        if fit.left_out:
+            logger.warning(
+                "collapse-monitor: %s, step %d: %s left out to fit the service's limits of one batch (%d bytes, %d "
+                "trajectories); a step is scored as one batch, so they are not sent",
+                where,
+                row_step,
+                fit.describe_left_out(),
+                limits.max_body_bytes,
+                limits.max_trajectories,
+            )
+    return {row_step: fit.items() for row_step, fit in fits.items()}
+
+
+def _row_trajectories(
+    row: Mapping[str, Any], where: str, render: Render, limits: BatchLimits, share_bytes: int
+) -> list[Any]:
+    """The trajectories of one line that is not a verl row (``share_bytes``: its part of one body)."""
+    if "trajectories" in row:
+        if not isinstance(row["trajectories"], list):
+            raise DumpError(f"{where}: trajectories must be a list")
+        return row["trajectories"]
+    if is_areal_row(row):
+        return [_areal_trajectory(row, where)]
+    if is_roll_batch(row):
+        return _roll_trajectories(row, where, render)
+    if is_episode_record(row):
+        try:
+            return episode_trajectories(row, render, limits, share_bytes)
+        except (KeyError, TypeError, ValueError) as e:
+            raise DumpError(f"{where}: not a verifiers episode record as prime-rl writes it: {e!r}") from e
+    if "turns" in row or "prompt" in row or "prompt_token_ids" in row:
+        return [{k: v for k, v in row.items() if k != "step"}]
+    raise DumpError(
+        f"{where}: expected a batch (trajectories), a trajectory (turns or prompt), a verl row "
+        f"(input, output), an AReaL row (task_id, completion), a ROLL batch (responses, scores) or a "
+        f"prime-rl episode (task, traces), got keys {sorted(row)}"
+    )
+
+
+def _group(trajectory: Any) -> Any:
+    # A malformed trajectory (not a mapping) joins no group's fate: normalize names it when it is logged.
+    return group_of(trajectory) if isinstance(trajectory, Mapping) else ("malformed", id(trajectory))
+
+
+def _size(trajectory: Any) -> int:
+    """Its bytes in a body, near enough (normalize may shorten a group id; NaN stays as the file wrote it)."""
+    text = json.dumps(trajectory, separators=(",", ":"), ensure_ascii=False, default=str)
+    return len(text.encode("utf-8", "replace")) + 1  # + its comma
 
 
 def _areal_trajectory(row: Mapping[str, Any], where: str) -> dict[str, Any]:

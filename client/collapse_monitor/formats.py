@@ -20,10 +20,11 @@ import httpx or the monitor.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from collapse_monitor.batches import BatchLimits
 from collapse_monitor.completion_files import Weights, batches_of_file
 from collapse_monitor.completion_files import file_step as trl_file_step
 from collapse_monitor.conversations import Render
@@ -145,6 +146,7 @@ class Reading:
     trust_pickle: bool = False  # slime: the folder is trusted, its .pt files may be unpickled
     reward_key: str | None = None  # slime: the key of dict rewards (the trainer's --reward-key)
     decode: Decode | None = None  # slime: the policy's tokenizer, for multi-turn samples
+    limits: BatchLimits = field(default_factory=BatchLimits)  # JSONL: a step is read up to what one batch may hold
 
 
 class UntrustedDumpError(ValueError):
@@ -173,6 +175,9 @@ def read_unit(unit: StepUnit, reading: Reading) -> dict[int, list[Any]]:
         except (ValueError, TypeError, AttributeError) as e:
             raise DumpError(f"{unit.paths[0]}: {e}") from e
         return {step: found}
-    rows = [(number, row) for path in unit.paths for number, row in read_jsonl(path)]
+    rows = (line for path in unit.paths for line in read_jsonl(path))  # one line at a time
+    total_bytes = sum(path.stat().st_size for path in unit.paths)
     where = str(unit.paths[0]) if len(unit.paths) == 1 else f"{unit.paths[0].parent}/*.jsonl"
-    return batches_of(rows, where, step=unit.step, render=reading.render)
+    return batches_of(
+        rows, where, step=unit.step, render=reading.render, limits=reading.limits, total_bytes=total_bytes
+    )

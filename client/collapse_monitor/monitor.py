@@ -25,7 +25,14 @@ from typing import Any
 import httpx
 
 from collapse_monitor.alerts import STATES, AlertActions, AlertEvent, AlertWatcher, check_filters
-from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices, sendable_figures
+from collapse_monitor.batches import (
+    BatchLimits,
+    TrajectoryError,
+    encode,
+    normalize,
+    sample_indices,
+    sendable_figures,
+)
 from collapse_monitor.sender import Request, Sender, Stats
 from collapse_monitor.spool import Spool
 from collapse_monitor.transport import Transport
@@ -65,6 +72,8 @@ class Monitor:
         run_settings: Further run settings, sent as given: fields newer than this client work too.
         max_groups: Send at most this many prompt groups per step (drawn with ``seed``).
         max_rows: Send at most this many trajectories per step, keeping whole groups.
+        limits: The service's batch limits, when it was configured with other than its defaults: a
+            step past them is sent as the whole groups that fit, the others left out (and counted).
         seed: Seed of the client-side draw; the same step always keeps the same rows.
         spool_dir: Where batches wait while the service is unreachable; this run uses
             ``spool_dir/run``. Default: ``default_spool_dir()``.
@@ -100,6 +109,7 @@ class Monitor:
         run_settings: Mapping[str, Any] | None = None,
         max_groups: int | None = None,
         max_rows: int | None = None,
+        limits: BatchLimits | None = None,
         seed: int = 0,
         spool_dir: str | os.PathLike[str] | None = None,
         max_queue: int = 64,
@@ -141,6 +151,7 @@ class Monitor:
         }
         self.max_groups = max_groups
         self.max_rows = max_rows
+        self.limits = limits or BatchLimits()
         self.seed = seed
         self.strict = strict
         self.enabled = enabled
@@ -218,9 +229,26 @@ class Monitor:
             rows = [rows[i] for i in kept]
         sendable = self._sendable(step, figures or {})
         self._start().submit(
-            Request("batch", step, encode=functools.partial(encode, self.run, step, rows, idempotency_key, sendable)),
+            Request("batch", step, encode=functools.partial(self._encode, step, rows, idempotency_key, sendable)),
             rows_sampled_out=left_out,
         )
+
+    def _encode(
+        self, step: int, rows: list[dict[str, Any]], idempotency_key: str | None, figures: Mapping[str, float]
+    ) -> tuple[str, bytes]:
+        """A batch's key and body, fitted to the service's limits (on the sender's thread; durable: the caller's)."""
+        key, body, fit = encode(self.run, step, rows, idempotency_key, figures, self.limits)
+        if fit.left_out:
+            self._sender.count("rows_left_out", sum(fit.left_out.values()))
+            logger.warning(
+                "collapse-monitor: step %d: %s left out to fit the service's limits of one batch (%d bytes, %d "
+                "trajectories); a step is scored as one batch, so they are not sent",
+                step,
+                fit.describe_left_out(),
+                self.limits.max_body_bytes,
+                self.limits.max_trajectories,
+            )
+        return key, body
 
     def figures(self, step: int, figures: Mapping[str, Any]) -> None:
         """Queues figures of a step whose batch was logged already; returns at once.

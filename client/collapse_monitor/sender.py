@@ -6,7 +6,7 @@ unreachable (or answers 429/503), it backs off exponentially with jitter, honour
 not memory. The spool is always older than the memory queue (everything logged after a spill is
 spilled behind it until the spool has drained), so requests leave in logged order: spool first,
 then memory. Refused requests are moved to the spool's ``rejected/`` folder and counted, never
-dropped silently. Must not import the integrations.
+dropped silently (of one refused for its size, 413, only the reason is kept). Must not import the integrations.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Stats:
     spooled: int = 0  # waiting on disk now
     spilled: int = 0  # ever written to the spool
     rows_sampled_out: int = 0  # trajectories left out by max_groups / max_rows
+    rows_left_out: int = 0  # trajectories left out (whole groups) to fit the service's limits of one batch
     server_warnings: int = 0  # warnings the service attached to accepted batches
     read_errors: int = 0  # alerts() / metrics() / run_info() calls that failed
     alert_polls: int = 0  # answered polls of the on_alert watchers
@@ -358,11 +359,15 @@ class Sender:
         self._on_reachable()
 
     def _refused(self, request: Request, outcome: Outcome) -> None:
-        reason = {"request": request.describe(), **outcome.error}
+        size = request.entry.size if request.entry is not None else len(request.payload(self.spool))
+        reason = {"request": request.describe(), "bytes": size, **outcome.error}
+        # A body refused for its size (up to what the client could build) is no use to read back: its reason is.
+        keep_body = outcome.status != 413
         if request.entry is not None:
-            where = self.spool.reject(request.entry, reason)
+            where = self.spool.reject(request.entry, reason, keep_body)
         else:
-            where = self.spool.reject_body(request.kind, request.step, request.payload(self.spool), reason)
+            body = request.payload(self.spool) if keep_body else None
+            where = self.spool.reject_body(request.kind, request.step, body, reason)
             self._remove(request)
         message = f"the service refused the {request.describe()}: {outcome.detail}"
         logger.error("collapse-monitor: %s; kept in %s", message, where)

@@ -4,7 +4,8 @@ Each file is the request body exactly as it will be sent, written atomically (te
 fsync, rename, fsync of the folder), so a crash leaves either the whole request or nothing. Files
 are named ``{sequence}-{kind}-{step}.json`` and replayed in sequence order, which is the order the
 trainer logged them; the sequence continues across restarts. Requests the service refused are
-moved to ``rejected/`` next to a ``.error.json`` that says why. Must not import httpx or threads
+moved to ``rejected/`` next to a ``.error.json`` that says why (of a body refused for its size, only
+the reason is kept). Must not import httpx or threads
 beyond its own lock.
 """
 
@@ -100,26 +101,33 @@ class Spool:
             self._forget(entry)
         entry.path.unlink(missing_ok=True)
 
-    def reject(self, entry: Entry, reason: dict[str, Any]) -> Path:
-        """Moves a refused request to ``rejected/`` with the reason beside it; returns its new path."""
+    def reject(self, entry: Entry, reason: dict[str, Any], keep_body: bool = True) -> Path:
+        """Moves a refused request to ``rejected/`` with the reason beside it (``keep_body``: else removes
+        it); returns the path of what was kept."""
         self.rejected_folder.mkdir(exist_ok=True)
         target = self.rejected_folder / entry.path.name
         _write_atomically(target.with_suffix(".error.json"), json.dumps(reason, indent=1).encode())
         with self._lock:
             self._forget(entry)
+        if not keep_body:
+            entry.path.unlink(missing_ok=True)
+            return target.with_suffix(".error.json")
         if entry.path.exists():
             os.replace(entry.path, target)
         return target
 
-    def reject_body(self, kind: str, step: int | None, body: bytes, reason: dict[str, Any]) -> Path:
-        """Keeps a refused request that never reached the spool, under the next sequence number."""
+    def reject_body(self, kind: str, step: int | None, body: bytes | None, reason: dict[str, Any]) -> Path:
+        """Keeps a refused request that never reached the spool, under the next sequence number (``body``
+        None: only its reason); returns the path of what was kept."""
         with self._lock:
             sequence = self._next_sequence
             self._next_sequence += 1
         self.rejected_folder.mkdir(parents=True, exist_ok=True)
         target = self.rejected_folder / f"{sequence:012d}-{kind}-{'none' if step is None else step}.json"
-        _write_atomically(target, body)
         _write_atomically(target.with_suffix(".error.json"), json.dumps(reason, indent=1).encode())
+        if body is None:
+            return target.with_suffix(".error.json")
+        _write_atomically(target, body)
         return target
 
     def _forget(self, entry: Entry) -> None:

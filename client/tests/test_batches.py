@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
 import pytest
 
-from collapse_monitor.batches import TrajectoryError, encode, normalize, sample_indices
+from collapse_monitor.batches import HEAD_BYTES, BatchLimits, TrajectoryError, encode, normalize, sample_indices
 
 
 class IdTensor:
@@ -127,9 +128,9 @@ def test_malformed_trajectories_are_named(trajectories, message):
 
 def test_the_batch_key_is_the_same_for_the_same_content_and_differs_for_other_content():
     rows = normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}])
-    key, body = encode("grpo-1", 7, rows)
-    again, body_again = encode("grpo-1", 7, normalize([{"response": "r", "prompt": "p", "reward": 1.0, "group": 0}]))
-    other, _ = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 0, "prompt": "p", "response": "r"}]))
+    key, body, _ = encode("grpo-1", 7, rows)
+    again, body_again, _ = encode("grpo-1", 7, normalize([{"response": "r", "prompt": "p", "reward": 1.0, "group": 0}]))
+    other, _, _ = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 0, "prompt": "p", "response": "r"}]))
     assert key == again
     assert body == body_again
     assert key.startswith("grpo-1-7-")
@@ -139,14 +140,16 @@ def test_the_batch_key_is_the_same_for_the_same_content_and_differs_for_other_co
 
 
 def test_an_explicit_idempotency_key_overrides_the_content_key():
-    key, body = encode("grpo-1", 7, normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}]), "mine")
+    key, body, _ = encode(
+        "grpo-1", 7, normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r"}]), "mine"
+    )
     assert key == "mine"
     assert json.loads(body)["idempotency_key"] == "mine"
 
 
 def test_a_passed_through_field_that_utf8_cannot_hold_is_sent_as_a_json_escape():
     rows = normalize([{"group_id": 0, "reward": 1, "prompt": "p", "response": "r", "note": "caf\u00e9 \ud800"}])
-    _, body = encode("run", 1, rows)
+    _, body, _ = encode("run", 1, rows)
     assert json.loads(body)["trajectories"][0]["note"] == "caf\u00e9 \ud800"
 
 
@@ -183,3 +186,49 @@ def test_a_group_larger_than_max_rows_is_subsampled():
     kept = sample_indices([0] * 10, max_groups=None, max_rows=4, seed=0, step=1)
     assert len(kept) == 4
     assert len(set(kept)) == 4
+
+
+def sized(group: int, k: int, n_bytes: int) -> dict:
+    return {"group_id": group, "reward": float(k % 2), "prompt": f"p{group}", "response": "x" * n_bytes}
+
+
+SMALL = BatchLimits(max_body_bytes=2 * HEAD_BYTES)  # trajectories may take HEAD_BYTES (64 KiB) of it
+
+
+def test_a_body_that_fits_is_the_canonical_json_of_the_whole_batch():
+    rows = normalize([sized(g, k, 100) | {"note": "caf\u00e9"} for g in range(3) for k in range(2)])
+    key, body, fit = encode("run", 4, rows, figures={"loss": 0.5})
+    whole = json.dumps(
+        {"step": 4, "trajectories": rows, "figures": {"loss": 0.5}},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode()
+    assert body == b'{"idempotency_key":' + json.dumps(key).encode() + b"," + whole[1:]
+    assert key == f"run-4-{hashlib.sha256(whole).hexdigest()[:16]}"
+    assert fit.left_out == {}
+
+
+def test_a_step_past_the_body_is_sent_as_the_whole_groups_that_fit_in_order():
+    # 4 groups of ~15 KB; group 0's 4th trajectory passes the body: the group goes, and group 4 then fits
+    first = [sized(g, k, 5000) for g in range(4) for k in range(3)]
+    rows = normalize([*first, sized(0, 3, 70_000), *(sized(4, k, 5000) for k in range(3))])
+    _, body, fit = encode("run", 1, rows, limits=SMALL)
+    sent = json.loads(body)["trajectories"]
+    assert [t["group_id"] for t in sent] == [g for g in range(1, 5) for _ in range(3)]
+    assert fit.left_out == {0: 4}
+    assert len(body) <= SMALL.max_body_bytes
+
+
+def test_the_trajectory_count_leaves_out_the_group_it_would_split():
+    rows = normalize([sized(g, k, 10) for g in range(4) for k in range(3)])
+    _, body, fit = encode("run", 1, rows, limits=BatchLimits(max_trajectories=7))
+    assert [t["group_id"] for t in json.loads(body)["trajectories"]] == [0, 0, 0, 1, 1, 1]
+    assert fit.left_out == {2: 3, 3: 3}
+
+
+def test_a_group_larger_than_the_body_sends_its_trajectories_that_fit():
+    rows = normalize([sized(0, k, 10_000) for k in range(10)])
+    _, body, fit = encode("run", 1, rows, limits=SMALL)
+    assert len(json.loads(body)["trajectories"]) == 6  # 64 KiB of ~10 KB trajectories
+    assert fit.left_out == {0: 4}

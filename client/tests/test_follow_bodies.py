@@ -1,0 +1,116 @@
+"""``follow`` on steps past the service's limits of one batch: read in bounded memory, sent as the whole groups
+that fit, a refused body not kept (issue 38 item 3). The service here takes bodies of at most 256 KiB."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench.follow_traces import write_traces
+from running_service import RunningService
+
+CLI = Path(sys.executable).parent / "collapse-monitor-client"
+BODY = 256 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    running = RunningService(tmp_path_factory.mktemp("small"), max_body_bytes=str(BODY), scoring_paused="true")
+    running.start()
+    yield running
+    running.stop()
+
+
+def follow(url: str, folder: Path, run: str, spool: Path, *options: str) -> tuple[int, dict[str, Any], str, int]:
+    """``follow --once`` in a child: its exit, its result, its log and its peak RSS in MB (``wait4``)."""
+    command = [str(CLI), "follow", str(folder), "--url", url, "--run", run, "--once", "--settle", "0"]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        child = subprocess.Popen([*command, "--spool-dir", str(spool), *options], stdout=out, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)  # its own peak RSS, which Popen.wait would not say
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return child.returncode, json.loads(out.read()), err.read().decode(), usage.ru_maxrss // 1024
+
+
+def groups_step(path: Path, step: int, n_groups: int) -> None:
+    """A step of ``n_groups`` groups of 4 trajectories, ~12 KB each: 8 groups are ~390 KB, past one body."""
+    trajectories = [
+        {"group_id": f"g{g}", "reward": float(k % 2), "prompt": f"prompt {g}", "response": f"{g}.{k} " + "x" * 12_000}
+        for g in range(n_groups)
+        for k in range(4)
+    ]
+    path.write_text(json.dumps({"step": step, "trajectories": trajectories}) + "\n")
+
+
+def test_a_step_past_the_body_limit_is_sent_as_the_first_whole_groups_that_fit(
+    small_service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "rollouts"
+    folder.mkdir()
+    groups_step(folder / "1.jsonl", 1, 8)
+    groups_step(folder / "2.jsonl", 2, 1)
+    code, result, log, _ = follow(
+        small_service.url, folder, run_name, tmp_path / "spool", "--max-body-bytes", str(BODY)
+    )
+    assert code == 0, log
+    assert result["steps"] == [1, 2]
+    assert result["stats"]["rejected"] == 0
+    [first, second] = small_service.payloads(run_name)
+    prompts = [t["turns"][0]["prompt"] for t in first["trajectories"]]
+    # 192 KiB of trajectories (the body less room for its key and figures): the first 4 groups, each whole
+    assert prompts == [f"prompt {g}" for g in range(4) for _ in range(4)]
+    assert len(second["trajectories"]) == 4
+    assert "4 groups (16 trajectories): 'g4', 'g5', 'g6', 'g7' left out" in log
+    assert not (tmp_path / "spool" / run_name / "rejected").exists()
+
+
+def test_a_body_the_service_refuses_for_its_size_keeps_its_reason_not_its_body(
+    small_service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "rollouts"
+    folder.mkdir()
+    groups_step(folder / "1.jsonl", 1, 8)  # within the client's default limit (32 MiB), past this service's
+    groups_step(folder / "2.jsonl", 2, 1)
+    code, result, log, _ = follow(small_service.url, folder, run_name, tmp_path / "spool")
+    assert code == 1
+    assert result["steps"] == [1, 2]
+    assert (result["stats"]["sent"], result["stats"]["rejected"]) == (1, 1)
+    assert "413" in log
+    [reason] = (tmp_path / "spool" / run_name / "rejected").iterdir()
+    assert reason.name.endswith("-batch-1.error.json")
+    refused = json.loads(reason.read_text())
+    assert refused["status"] == 413
+    assert refused["bytes"] > BODY
+    assert [step for step, _ in small_service.batches(run_name)] == [2]
+
+
+def test_a_long_prime_rl_trace_is_read_in_bounded_memory_and_its_first_turns_delivered(
+    small_service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    # One trace of ~1,000 turns in 1.1 MB: its turns' prompts, the conversation before each, are ~330 MB
+    # together; follow took 1.8 GB to build them into one body the service refused.
+    folder = tmp_path / "out"
+    path = write_traces(folder, 1.1, episodes=1)
+    code, result, log, peak_mb = follow(
+        small_service.url, folder, run_name, tmp_path / "spool", "--max-body-bytes", str(BODY)
+    )
+    assert code == 0, log
+    assert result["steps"] == [1]
+    assert peak_mb < 300  # the interpreter, httpx and one body of 256 KiB; was 1.8 GB with the default limits
+    [stored] = small_service.payloads(run_name)
+    [trajectory] = stored["trajectories"]
+    turns = trajectory["turns"]
+    assert 1 < len(turns) < 256
+    assert len(json.dumps(stored).encode()) <= BODY
+    first = json.loads(path.read_text())["traces"][0]["nodes"]
+    assert turns[0]["prompt"].startswith(f"system: {first[0]['message']['content']}")  # short: whole
+    assert all(t["prompt"].endswith("\nassistant:") for t in turns)  # long: their last characters
+    assert f"a trace of 1070 turns is sent as its first {len(turns)}," in log
