@@ -957,7 +957,7 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     # Item 2's second round: a million keys of one object (not a model's: refused on the bytes), and a valid batch
     # of a million small turns (accepted; the parse lets others in at each object's end).
     "trajectory_keys": ("unknown keys", nested_items("trajectory_keys"), [10_000, 1_000_000], [1000, 100_000], None),
-    "small_turns": ("small turns", nested_items("small_turns"), [1024, 1_048_576], [1024, 102_400], None),
+    "small_turns": ("small turns", nested_items("small_turns"), [1024, 262_144, 1_048_576], [1024, 102_400], None),
     # Issue 38, client side (follow and the slime hook; no server).
     "follow_nuls": ("MB of NULs", follow_nuls, [64, 512, 2048], [8, 64, 128], None),
     "follow_deep_json": ("levels of nesting", follow_deep_json, [1000, 10_000, 100_000], [1000, 10_000], None),

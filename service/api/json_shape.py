@@ -49,7 +49,9 @@ def check_object_keys(raw: bytes, limit: int = MAX_OBJECT_KEYS, chunk_bytes: int
         return
     brace = int(edges[worst])  # the brace before the run (-1: none)
     opens = brace >= 0 and kinds[brace] == OPEN
-    key = _key_before(raw, int(offsets[brace - 1])) if opens and brace >= 1 and kinds[brace - 1] == COLON else None
+    is_value = opens and brace >= 1 and kinds[brace - 1] == COLON  # of a key, not an item of the key's array:
+    is_value = is_value and not raw[int(offsets[brace - 1]) + 1 : int(offsets[brace])].strip()  # only blanks between
+    key = _key_before(raw, int(offsets[brace - 1])) if is_value else None
     if key is not None:
         what = repr(key)
     elif opens:

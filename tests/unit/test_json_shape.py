@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from bench.serving import token_ids_body
 from service.api.json_shape import MAX_OBJECT_KEYS, check_object_keys
 from service.errors import TooLarge
 from service.schemas.inputs import BatchIn, CheckpointIn, FiguresIn, FilterRequest, MatrixBatchIn, RunCreate
@@ -93,11 +94,19 @@ def test_the_refusal_names_the_key_whose_object_has_too_many_keys():
         (keys, "the object opened at byte 0"),
         ({"trajectories": [{"turns": []}, keys]}, "the object opened at byte 33"),
         ({"x": {"y": {}, **keys}}, "an object (keys from byte 20)"),
+        ({"trajectories": [keys]}, "the object opened at byte 18"),
     ]:
         with pytest.raises(TooLarge) as refused:
             check_object_keys(json.dumps(body).encode())
         assert refused.value.field == "body"
         assert what in refused.value.detail
+
+
+def test_the_largest_valid_bodies_the_benchmarks_send_pass():
+    turn = {"prompt": "p", "response": "r"}
+    turns = {"step": 1, "trajectories": [{"group_id": 0, "reward": 0.0, "turns": [turn] * 256}] * 4096}
+    for raw in (token_ids_body(1, 0), json.dumps(turns, separators=(",", ":")).encode()):  # 27 MB, 31 MB
+        check_object_keys(raw)
 
 
 @pytest.mark.parametrize("model", [BatchIn, FiguresIn, RunCreate, MatrixBatchIn, FilterRequest, CheckpointIn])
