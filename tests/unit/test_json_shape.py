@@ -1,0 +1,127 @@
+"""The keys of a body's objects counted on its bytes, against a naive lexer, in chunks of every size."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from bench.serving import token_ids_body
+from service.api.json_shape import MAX_OBJECT_KEYS, check_object_keys
+from service.errors import TooLarge
+from service.schemas.inputs import BatchIn, CheckpointIn, FiguresIn, FilterRequest, MatrixBatchIn, RunCreate
+
+TRICKY = ["a", '"', "\\", "{", "}", ":", ",", "[", "é", "\\u00e9"]
+
+
+def longest_key_run(text: str) -> int:
+    """The most keys read between two braces, one character at a time (the naive version)."""
+    best = run = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c in "{}":
+            run = 0
+        elif c == ":":
+            run += 1
+            best = max(best, run)
+    return best
+
+
+def random_value(rng: random.Random, depth: int = 0) -> Any:
+    """JSON whose strings and keys are full of quotes, backslashes, braces and colons."""
+    r = rng.random()
+    if depth > 2 or r < 0.3:
+        text = "".join(rng.choice(TRICKY) for _ in range(rng.randrange(6)))
+        return rng.choice([1, 0.5, None, True, text])
+    if r < 0.6:
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    keys = ["".join(rng.choice(TRICKY) for _ in range(rng.randrange(5))) + str(k) for k in range(rng.randrange(12))]
+    return {key: random_value(rng, depth + 1) for key in keys}
+
+
+def refuses(raw: bytes, limit: int, chunk_bytes: int) -> bool:
+    try:
+        check_object_keys(raw, limit, chunk_bytes)
+    except TooLarge:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_longest_run_of_keys_is_the_naive_lexers_whatever_the_chunks(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        text = json.dumps(random_value(rng), ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        raw = text.encode()
+        n_keys = longest_key_run(text)
+        for chunk_bytes in (5, 64, 1 << 20):  # a byte at a time: the backslash test below
+            assert not refuses(raw, n_keys, chunk_bytes), (text, chunk_bytes)
+            assert n_keys == 0 or refuses(raw, n_keys - 1, chunk_bytes), (text, chunk_bytes)
+
+
+def test_backslash_runs_across_chunks_end_strings_by_their_parity():
+    for n_backslashes in range(1, 6):
+        key = "\\" * n_backslashes + '"' if n_backslashes % 2 else "\\" * n_backslashes
+        text = json.dumps({key: {"a": 1, "b": 2, "c": 3}, "d": 4})
+        for chunk_bytes in range(1, len(text) + 1):
+            assert refuses(text.encode(), 2, chunk_bytes), (text, chunk_bytes)
+            assert not refuses(text.encode(), 3, chunk_bytes), (text, chunk_bytes)
+
+
+def test_the_refusal_names_the_key_whose_object_has_too_many_keys():
+    figures = {f"f{i}": 1.0 for i in range(MAX_OBJECT_KEYS + 1)}
+    raw = json.dumps({"step": 1, "trajectories": [], "figures": figures}).encode()
+    with pytest.raises(TooLarge) as refused:
+        check_object_keys(raw)
+    assert refused.value.field == "figures"
+    assert refused.value.detail == (
+        f"an object may hold at most {MAX_OBJECT_KEYS} keys (a step's figures hold the most), got "
+        f"{MAX_OBJECT_KEYS + 1} in 'figures'; refused before parsing"
+    )
+    keys = {f"k{i}": 0 for i in range(MAX_OBJECT_KEYS + 1)}
+    for body, what in [
+        (keys, "the object opened at byte 0"),
+        ({"trajectories": [{"turns": []}, keys]}, "the object opened at byte 33"),
+        ({"x": {"y": {}, **keys}}, "an object (keys from byte 20)"),
+        ({"trajectories": [keys]}, "the object opened at byte 18"),
+    ]:
+        with pytest.raises(TooLarge) as refused:
+            check_object_keys(json.dumps(body).encode())
+        assert refused.value.field == "body"
+        assert what in refused.value.detail
+
+
+def test_the_largest_valid_bodies_the_benchmarks_send_pass():
+    turn = {"prompt": "p", "response": "r"}
+    turns = {"step": 1, "trajectories": [{"group_id": 0, "reward": 0.0, "turns": [turn] * 256}] * 4096}
+    for raw in (token_ids_body(1, 0), json.dumps(turns, separators=(",", ":")).encode()):  # 27 MB, 31 MB
+        check_object_keys(raw)
+
+
+@pytest.mark.parametrize("model", [BatchIn, FiguresIn, RunCreate, MatrixBatchIn, FilterRequest, CheckpointIn])
+def test_no_model_of_a_body_has_more_fields_than_an_object_may_hold_keys(model):
+    def field_counts(kind: Any) -> list[int]:
+        fields = getattr(kind, "model_fields", None)
+        if fields is None:
+            return []
+        nested = [count for field in fields.values() for arg in _types(field.annotation) for count in field_counts(arg)]
+        return [len(fields), *nested]
+
+    assert max(field_counts(model)) <= MAX_OBJECT_KEYS
+
+
+def _types(annotation: Any) -> list[Any]:
+    """``annotation`` and the types inside it (list[X], X | None, Annotated[X, ...])."""
+    args = getattr(annotation, "__args__", ())
+    return [annotation, *(t for arg in args for t in _types(arg))]
