@@ -34,7 +34,7 @@ class RunningService:
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
-    def start(self, timeout: float = 180.0) -> None:
+    def start(self, timeout: float = 600.0) -> None:  # generous: a loaded 2-core machine took over 180 s
         self.starts += 1
         with open(self.folder / f"serve-{self.starts}.log", "wb") as log:
             _, self.process = start_serve(self.env, port=self.port, log=log)
