@@ -100,10 +100,12 @@ def test_a_grpo_run_shows_the_scored_figures_in_tensorboard_and_trackio_at_their
     assert alert in ({1: 1.0, 2: 2.0}, {2: 2.0})
     assert set(scalars["train/reward"]) == {1, 2, 3}  # the trainer's own series, at its own steps
 
-    # Trackio: rows of their own, with the step they belong to as collapse/step, in step order
+    # Trackio: rows of their own, with the step they belong to as collapse/step, in step order, and as
+    # train/global_step, the x-axis that lines them up with the trainer's rows on Trackio's page
     rows = trackio_rows(run_name)
     collapse_rows = [row for row in rows if "collapse/step" in row]
     assert [row["collapse/step"] for row in collapse_rows] == sorted(steps)
+    assert all(row.pop("train/global_step") == row["collapse/step"] for row in collapse_rows)
     assert {
         (row["collapse/step"], name): value
         for row in collapse_rows

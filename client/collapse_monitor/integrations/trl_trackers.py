@@ -15,7 +15,9 @@ order, through the tracker the trainer set up:
 * **Trackio**: the same as W&B. Trackio takes an explicit step, but transformers' ``TrackioCallback``
   logs without one (Trackio's step there counts the trainer's log calls; the training step is the
   ``train/global_step`` figure), and an explicit step past Trackio's counter would move that counter,
-  and the trainer's later rows with it. So: ``trackio.log({..., "collapse/step": step})``.
+  and the trainer's later rows with it. So: ``trackio.log({..., "collapse/step": step})``, with
+  ``train/global_step`` too: Trackio's page has one x-axis for all its plots, and set to
+  ``train/global_step`` it puts the trainer's figures and these at the same training step.
 
 Writing stays on the training thread (from the queue ``ScoredFigures`` fills) rather than the
 fetching thread: Trackio's current run is a context variable of the thread that started it, and the
@@ -41,6 +43,8 @@ from transformers import TrainerCallback
 from collapse_monitor.monitor import Monitor
 from collapse_monitor.trackers import STEP, ScoredFigures, write_wandb
 
+GLOBAL_STEP = "train/global_step"  # transformers' name for the training step in every row it logs
+
 logger = logging.getLogger("collapse_monitor")
 
 
@@ -54,7 +58,7 @@ def _tensorboard(callback: Any, step: int, figures: dict[str, float]) -> None:
 
 
 def _trackio(_callback: Any, step: int, figures: dict[str, float]) -> None:
-    importlib.import_module("trackio").log({**figures, STEP: step})
+    importlib.import_module("trackio").log({**figures, STEP: step, GLOBAL_STEP: step})
 
 
 def _wandb(_callback: Any, step: int, figures: dict[str, float]) -> None:
