@@ -361,8 +361,6 @@ def test_with_use_wandb_and_the_service_down_slimes_logging_goes_on_unchanged(tm
         )
     wandb.finish()
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    # after another run in the same process, wandb-core's file can lag finish(): wait for slime's three rows
-    wait_until(lambda: len(wandb_history(run_file)[0]) >= 3, 60, "W&B wrote the history")
     history, _ = wandb_history(run_file)
     assert [{k: v for k, v in row.items() if not k.startswith("_")} for row in history] == [
         {"rollout/raw_reward": 0.5, "rollout/step": step} for step in (1, 2, 3)

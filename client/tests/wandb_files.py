@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 
@@ -31,10 +32,20 @@ def wandb_records(run_file: Path) -> list:
     return records
 
 
-def wandb_history(run_file: Path) -> tuple[list[dict], dict[str, str]]:
-    """An offline W&B run's history rows, as logged, and each defined metric's step axis (``{name: step_metric}``)."""
+def wandb_history(run_file: Path, timeout: float = 60.0) -> tuple[list[dict], dict[str, str]]:
+    """An offline W&B run's history rows, as logged, and each defined metric's step axis (``{name: step_metric}``).
+
+    Waits (``timeout``, generous) for the run's ``exit`` record: after another run in the same process,
+    wandb-core was seen to finish writing the file after ``wandb.finish()`` returned.
+    """
+    deadline = time.monotonic() + timeout
+    records = wandb_records(run_file)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records):
+        assert time.monotonic() < deadline, f"{run_file} has no exit record after {timeout} s"
+        time.sleep(0.2)
+        records = wandb_records(run_file)
     history, axes = [], {}
-    for record in wandb_records(run_file):
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             history.append(
                 {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
