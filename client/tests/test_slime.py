@@ -264,6 +264,18 @@ def test_a_sample_keeps_at_most_256_turns():
     assert [t["reasoning_token_ids"] for t in trajectory["turns"]] == [[2 * k] for k in range(256)]
 
 
+def wandb_hook_env(monkeypatch, url: str, run: str, spool: Path) -> None:
+    """The environment slime's Ray job would give the hook, W&B quiet and the figures polled every 0.1 s."""
+    for name, value in {
+        "WANDB_SILENT": "true",
+        "COLLAPSE_MONITOR_URL": url,
+        "COLLAPSE_MONITOR_RUN": run,
+        "COLLAPSE_MONITOR_SPOOL_DIR": str(spool),
+        "COLLAPSE_MONITOR_WANDB_POLL_SECONDS": "0.1",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
 def slime_wandb_run(folder: Path, project: str) -> Any:
     """The rollout manager's W&B run as slime opens it offline: ``init_wandb_secondary``, then the axes of
     ``_init_wandb_common`` that its rollout figures use (slime/observability/wandb_utils.py, THUDM/slime
@@ -283,14 +295,7 @@ def test_with_use_wandb_the_scored_figures_join_slimes_run_at_their_rollouts_ste
     wandb = pytest.importorskip("wandb")
     from transformers import AutoTokenizer
 
-    for name, value in {
-        "WANDB_SILENT": "true",
-        "COLLAPSE_MONITOR_URL": service.url,
-        "COLLAPSE_MONITOR_RUN": run_name,
-        "COLLAPSE_MONITOR_SPOOL_DIR": str(tmp_path / "spool"),
-        "COLLAPSE_MONITOR_WANDB_POLL_SECONDS": "0.1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    wandb_hook_env(monkeypatch, service.url, run_name, tmp_path / "spool")
     trainer = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir))
     args = argparse.Namespace(
         hf_checkpoint=str(policy_dir), save=None, wandb_group=None, reward_key="acc", use_wandb=True,
@@ -338,14 +343,7 @@ def test_with_use_wandb_and_the_service_down_slimes_logging_goes_on_unchanged(tm
     wandb = pytest.importorskip("wandb")
     from transformers import AutoTokenizer
 
-    for name, value in {
-        "WANDB_SILENT": "true",
-        "COLLAPSE_MONITOR_URL": "http://127.0.0.1:9",  # nothing listens
-        "COLLAPSE_MONITOR_RUN": "down",
-        "COLLAPSE_MONITOR_SPOOL_DIR": str(tmp_path / "spool"),
-        "COLLAPSE_MONITOR_WANDB_POLL_SECONDS": "0.1",
-    }.items():
-        monkeypatch.setenv(name, value)
+    wandb_hook_env(monkeypatch, "http://127.0.0.1:9", "down", tmp_path / "spool")  # nothing listens
     trainer = Slime(tmp_path, AutoTokenizer.from_pretrained(policy_dir))
     args = argparse.Namespace(
         hf_checkpoint=str(policy_dir), save=None, wandb_group=None, reward_key="acc", use_wandb=True
