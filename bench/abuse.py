@@ -47,6 +47,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from peak import run_measured
 from serving import Memory, database, issue_token, post_at_once, served_process, service_env, token_ids_body
 from sqlalchemy import create_engine, insert, select, update
 
@@ -829,8 +830,7 @@ def hanging_scorer(batches: int) -> dict:
 
 def followed(files: dict[str, Callable[[Path], None]]) -> dict:
     """``collapse-monitor-client follow --once`` over a folder of ``files`` (name: writer) and a later good
-    step: its time, its peak RSS (``wait4``'s ``ru_maxrss``) and the steps it sent."""
-    import os
+    step: its time, its own peak RSS (``bench/peak.py``) and the steps it sent."""
     import subprocess
     import sys
 
@@ -845,17 +845,13 @@ def followed(files: dict[str, Callable[[Path], None]]) -> dict:
         cli = Path(sys.executable).parent / "collapse-monitor-client"
         command = [str(cli), "follow", str(folder), "--run", "r", "--url", "http://127.0.0.1:9", "--once"]
         start = time.perf_counter()
-        child = subprocess.Popen(
-            [*command, "--settle", "0", "--spool-dir", f"{tmp}/spool"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        _, status, usage = os.wait4(child.pid, 0)
-        out = child.stdout.read() if child.stdout else b""
-        return {
-            "exit": os.waitstatus_to_exitcode(status),
-            "seconds": round(time.perf_counter() - start, 2),
-            "peak_rss_mb": round(usage.ru_maxrss / 1024),
-            "steps": json.loads(out or b"{}").get("steps"),
-        }
+        with tempfile.TemporaryFile() as out:
+            code, peak_mb = run_measured(
+                [*command, "--settle", "0", "--spool-dir", f"{tmp}/spool"], stdout=out, stderr=subprocess.DEVNULL
+            )
+            out.seek(0)
+            steps = json.loads(out.read() or b"{}").get("steps")
+        return {"exit": code, "seconds": round(time.perf_counter() - start, 2), "peak_rss_mb": peak_mb, "steps": steps}
 
 
 def follow_nuls(megabytes: int) -> dict:

@@ -7,8 +7,8 @@ episodes of one group, each one trainable trace of alternating assistant tool ca
 (~1 KB a message) until the file reaches its size. Each turn's prompt is the conversation before it,
 so what the file expands to grows with the square of a trace's length. Then runs
 ``collapse-monitor-client follow --once`` on it against a real ``collapse-monitor serve`` (tiny-random
-scorer, scoring paused, SQLite in a throwaway folder) and reports the child's peak RSS (``wait4``'s
-``ru_maxrss``), its seconds, what the service stored (each batch's body size), the size of each body it
+scorer, scoring paused, SQLite in a throwaway folder) and reports the child's own peak RSS
+(``bench/peak.py``), its seconds, what the service stored (each batch's body size), the size of each body it
 refused (from the spool's ``rejected/``: the body kept, or its ``.error.json``'s ``bytes``) and the
 bodies kept. ``--client-path`` runs the client from another checkout's ``client/`` folder
 (``git archive <commit> | tar -x -C /tmp/old``) to compare in one session; ``--client-args`` adds
@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,15 +67,15 @@ def write_traces(folder: Path, megabytes: float, episodes: int) -> Path:
 
 def follow_once(url: str, folder: Path, spool: Path, client_path: Path, extra: list[str]) -> dict[str, Any]:
     """``follow --once`` in a child process: its exit, seconds, peak RSS and what its stdout says."""
+    from peak import run_measured  # here, as serving below: the tests import this module as bench.follow_traces
+
     command = [sys.executable, "-c", "import sys; from collapse_monitor.cli import main; sys.exit(main())"]
     command += ["follow", str(folder), "--run", "bench-traces", "--url", url, "--once", "--settle", "0"]
     command += ["--spool-dir", str(spool), "--settings", json.dumps({"schedule": {"every": 1}}), *extra]
     env = {**os.environ, "PYTHONPATH": str(client_path)}
     start = time.perf_counter()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen(command, env=env, stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)  # its own peak, not this process's
-        child.returncode = os.waitstatus_to_exitcode(status)
+        code, peak_mb = run_measured(command, env=env, stdout=out, stderr=err)
         seconds = time.perf_counter() - start
         out.seek(0)
         err.seek(0)
@@ -84,9 +83,9 @@ def follow_once(url: str, folder: Path, spool: Path, client_path: Path, extra: l
         log = err.read().decode(errors="replace").strip().splitlines()
     stats = result.get("stats", {})
     return {
-        "exit": child.returncode,
+        "exit": code,
         "seconds": round(seconds, 2),
-        "peak_rss_mb": round(usage.ru_maxrss / 1024),
+        "peak_rss_mb": peak_mb,
         "sent": stats.get("sent"),
         "rejected": stats.get("rejected"),
         "log_tail": [line[:300] for line in log[-3:]],

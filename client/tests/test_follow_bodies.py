@@ -4,8 +4,6 @@ that fit, a refused body not kept (issue 38 item 3). The service here takes bodi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +12,7 @@ from typing import Any
 
 import pytest
 from bench.follow_traces import write_traces
+from bench.peak import run_measured
 from running_service import RunningService
 
 CLI = Path(sys.executable).parent / "collapse-monitor-client"
@@ -29,15 +28,13 @@ def small_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningS
 
 
 def follow(url: str, folder: Path, run: str, spool: Path, *options: str) -> tuple[int, dict[str, Any], str, int]:
-    """``follow --once`` in a child: its exit, its result, its log and its peak RSS in MB (``wait4``)."""
+    """``follow --once`` in a child: its exit, its result, its log and its own peak RSS in MB."""
     command = [str(CLI), "follow", str(folder), "--url", url, "--run", run, "--once", "--settle", "0"]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen([*command, "--spool-dir", str(spool), *options], stdout=out, stderr=err)
-        _, status, usage = os.wait4(child.pid, 0)  # its own peak RSS, which Popen.wait would not say
-        child.returncode = os.waitstatus_to_exitcode(status)
+        code, peak_mb = run_measured([*command, "--spool-dir", str(spool), *options], stdout=out, stderr=err)
         out.seek(0)
         err.seek(0)
-        return child.returncode, json.loads(out.read()), err.read().decode(), usage.ru_maxrss // 1024
+        return code, json.loads(out.read()), err.read().decode(), peak_mb
 
 
 def groups_step(path: Path, step: int, n_groups: int) -> None:

@@ -62,6 +62,9 @@ def test_a_grpo_run_shows_the_scored_figures_in_tensorboard_and_trackio_at_their
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tensorboard"))
     for name, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}.items():
         monkeypatch.setenv(name, value)
+    # W&B reads its environment once a process, at its first run: after slime's tests' runs (offline by their
+    # own settings) transformers' wandb.init() went online and failed for want of an API key
+    wandb.teardown()
     monitor = Monitor(service.url, run_name, spool_dir=tmp_path / "spool", alerts=FIRE_AT_ONCE)
     args = grpo_config(
         tmp_path / "out",

@@ -115,8 +115,8 @@ def test_a_422_lists_the_first_errors_and_counts_them_all():
     assert invalid.value.n_errors == 3 * 7
     assert invalid.value.errors()[0]["loc"] == ("body", "trajectories", 0, "group_id")
     assert invalid.value.errors()[-1]["loc"] == ("body", "trajectories", 6, "reward")
-    unknown = json.dumps({"name": "r"} | {f"k{i}": 0 for i in range(100_000)}).encode()
+    unknown = json.dumps({"name": "r"} | {f"k{i}": 0 for i in range(255)}).encode()  # past 256 keys: a 413 first
     with pytest.raises(BodyValidationError) as extra:
         parse_body(unknown, RunCreate, LIMITS)
-    assert extra.value.n_errors == 100_000
+    assert extra.value.n_errors == 255
     assert [e["loc"] for e in extra.value.errors()] == [("body", f"k{i}") for i in range(MAX_LISTED_ERRORS)]
