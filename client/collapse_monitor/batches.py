@@ -28,6 +28,8 @@ TURN_KEYS = (
 )
 TEXT_KEYS = ("prompt", "response", "reasoning")
 TOKEN_ID_KEYS = ("prompt_token_ids", "reasoning_token_ids")
+# Lists of one entry per token of a turn (ids, and the trainer's per-token floats), cut together with the ids.
+TOKEN_LIST_KEYS = (*TOKEN_ID_KEYS, "token_entropies", "reasoning_logprobs")
 GROUP_KEYS = ("group_id", "group")
 # What the service takes as a trainer's figures (docs/api.md, Trainer figures).
 FIGURE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./:@-]{0,79}$")
@@ -45,8 +47,9 @@ class BatchLimits:
     """What one batch may hold: the service's defaults (service/settings.py, docs/settings.md).
 
     The service refuses a whole batch past any of them (413); the client fits a step to them instead:
-    whole groups past the body's size or trajectory count are left out (``GroupFit``), and readers of
-    long traces cut what one turn or trajectory holds (``prime_rl_traces``). A service configured with
+    whole groups past the body's size or trajectory count are left out (``GroupFit``), a text or token-id
+    list past its limit, or a trajectory past the body alone, is cut (``shorten``), and readers of long
+    traces cut what one turn or trajectory holds (``prime_rl_traces``). A service configured with
     smaller limits needs them given here (``Monitor(limits=...)``, ``--max-body-bytes``).
     """
 
@@ -54,11 +57,12 @@ class BatchLimits:
     max_trajectories: int = 4096
     max_turns: int = 256
     max_text_chars: int = 400_000
+    max_token_ids: int = 65_536
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 2 * HEAD_BYTES:
             raise ValueError(f"max_body_bytes must be at least {2 * HEAD_BYTES}, got {self.max_body_bytes}")
-        for name in ("max_trajectories", "max_turns", "max_text_chars"):
+        for name in ("max_trajectories", "max_turns", "max_text_chars", "max_token_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
@@ -82,6 +86,7 @@ class GroupFit(Generic[T]):
         self.max_trajectories = max_trajectories
         self.n_kept = 0
         self.kept_bytes = 0
+        self.n_cut = 0  # trajectories whose texts or token lists were cut to fit (``encode``)
         self.left_out: dict[Hashable, int] = {}  # group -> its trajectories left out
         self._groups: dict[Hashable, list[tuple[int, T, int]]] = {}  # group -> (arrival, item, bytes)
         self._arrivals = 0
@@ -336,6 +341,97 @@ def sendable_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dict
     return kept, left_out
 
 
+def shorten(trajectory: Mapping[str, Any], text_chars: int, token_ids: int) -> dict[str, Any] | None:
+    """A copy of a normalized ``trajectory`` whose texts hold at most ``text_chars`` characters and token lists
+    at most ``token_ids`` entries (both at least 1), or None when none holds more.
+
+    A prompt keeps its last characters or ids (a scorer keeps a long prompt's last tokens too); a response,
+    a reasoning and the per-token lists of the response keep their first (the reasoning window scores a
+    reasoning's opening), so a reasoning's ids and the trainer's log-probs of them stay one per token.
+    """
+    turns = []
+    is_cut = False
+    for turn in trajectory["turns"]:
+        out = dict(turn)
+        for names, limit, prompt in (
+            (TEXT_KEYS, text_chars, "prompt"),
+            (TOKEN_LIST_KEYS, token_ids, "prompt_token_ids"),
+        ):
+            for name in names:
+                value = out.get(name)
+                if isinstance(value, (str, list)) and len(value) > limit:
+                    out[name] = value[-limit:] if name == prompt else value[:limit]
+                    is_cut = True
+        turns.append(out)
+    return {**trajectory, "turns": turns} if is_cut else None
+
+
+def caps(trajectories: Sequence[Mapping[str, Any]], fraction: float) -> tuple[int, int]:
+    """The caps of texts (characters) and of token lists (entries) that keep about ``fraction`` of what
+    ``trajectories`` hold of each: the longest are cut first, to one length, so short prompts stay whole."""
+    texts: list[int] = []
+    lists: list[int] = []
+    for trajectory in trajectories:
+        for turn in trajectory["turns"]:
+            texts += [len(turn[k]) for k in TEXT_KEYS if isinstance(turn.get(k), str)]
+            lists += [len(turn[k]) for k in TOKEN_LIST_KEYS if isinstance(turn.get(k), list)]
+    return _cap(texts, fraction * sum(texts)), _cap(lists, fraction * sum(lists))
+
+
+def _cap(sizes: list[int], budget: float) -> int:
+    """The largest ``c >= 1`` with ``sum(min(s, c) for s in sizes) <= budget`` (water-filling)."""
+    below = 0  # the sizes under the cap, whole
+    ordered = sorted(sizes)
+    for i, size in enumerate(ordered):
+        if below + size * (len(ordered) - i) > budget:
+            return max(1, int((budget - below) // (len(ordered) - i)))
+        below += size
+    return max(ordered, default=1)
+
+
+# A trajectory past one body alone is cut this many times at most (each to 90% of what the last cut left over):
+# its JSON shrinks about as its texts and ids do, so one cut mostly suffices.
+MAX_CUTS = 4
+
+
+def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, bool]:
+    """The trajectory's JSON in a body, and whether it was cut: its first ``max_turns`` turns, its texts and token
+    lists within their limits and, past the body alone, cut further (``caps``) until it fits."""
+    current: Mapping[str, Any] = trajectory
+    if len(trajectory["turns"]) > limits.max_turns:
+        current = {**trajectory, "turns": trajectory["turns"][: limits.max_turns]}
+    current = shorten(current, limits.max_text_chars, limits.max_token_ids) or current
+    piece = json_bytes(current)
+    for _ in range(MAX_CUTS):
+        if len(piece) + 1 <= limits.trajectory_bytes:
+            break
+        shorter = shorten(current, *caps([current], 0.9 * limits.trajectory_bytes / len(piece)))
+        if shorter is None:
+            break  # nothing left to cut: sent as it is, and refused
+        current = shorter
+        piece = json_bytes(current)
+    return piece, current is not trajectory
+
+
+def refit(run: str, body: bytes, fraction: float) -> tuple[str, bytes]:
+    """A batch's body with its texts and token lists cut to about ``fraction`` of what they hold (``caps``),
+    under the key of its new content: a body the service refused for its scoring cost, refitted to it.
+
+    Deterministic, so a refit replayed after a restart is recognised as the same batch.
+    """
+    batch = json.loads(body)
+    text_chars, token_ids = caps(batch["trajectories"], fraction)
+    batch["trajectories"] = [shorten(t, text_chars, token_ids) or t for t in batch["trajectories"]]
+    batch.pop("idempotency_key", None)
+    return _keyed(run, batch["step"], json_bytes(batch), None)
+
+
+def _keyed(run: str, step: int, data: bytes, idempotency_key: str | None) -> tuple[str, bytes]:
+    """The key (given, else ``{run}-{step}-{content hash}``) and the body: ``data`` (canonical JSON) with the key."""
+    key = idempotency_key or f"{run}-{step}-{hashlib.sha256(data).hexdigest()[:16]}"
+    return key, b'{"idempotency_key":' + json.dumps(key).encode() + b"," + data[1:]
+
+
 def encode(
     run: str,
     step: int,
@@ -352,31 +448,33 @@ def encode(
     same step (a re-run under the same run name) is a new batch instead of a 409 conflict. The
     content is canonical JSON (``json_bytes``), so equal batches hash equally.
 
-    Whole groups past the body's size or trajectory count are left out (``fit.left_out``: group id ->
-    trajectories): the service scores the groups of one body together, so a step sent as two bodies
-    would be two scorings of halves, not one. When not even one whole group fits, the first group's
-    trajectories that fit are sent; one trajectory over the limit alone is sent as it is, and refused.
+    A trajectory's turns, texts and token lists past their limits are cut (``_piece``; ``fit.n_cut``
+    counts the trajectories cut), so that no one of them makes the whole batch refused. Whole groups
+    past the body's size or trajectory count are left out (``fit.left_out``: group id -> trajectories):
+    the service scores the groups of one body together, so a step sent as two bodies would be two
+    scorings of halves, not one. When not even one whole group fits, the first group's trajectories
+    that fit are sent.
     """
     limits = limits or BatchLimits()
     fit: GroupFit[bytes] = GroupFit(limits.trajectory_bytes, limits.max_trajectories)
     for trajectory in trajectories:
-        piece = json_bytes(trajectory)
+        piece, is_cut = _piece(trajectory, limits)
+        fit.n_cut += is_cut
         fit.add(trajectory["group_id"], piece, len(piece) + 1)  # + its comma
     pieces = fit.items()
     if not pieces:  # no whole group fits: the first group's trajectories that do, else its first alone
         first = trajectories[0]["group_id"]
         budget = limits.trajectory_bytes
         for trajectory in (t for t in trajectories if t["group_id"] == first):
-            piece = json_bytes(trajectory)
+            piece, _ = _piece(trajectory, limits)
             if len(piece) + 1 <= budget and len(pieces) < limits.max_trajectories:
                 pieces.append(piece)
                 budget -= len(piece) + 1
-        pieces = pieces or [json_bytes(trajectories[0])]
+        pieces = pieces or [_piece(trajectories[0], limits)[0]]
         fit.left_out[first] -= len(pieces)
         if not fit.left_out[first]:
             del fit.left_out[first]
     # The keys in canonical order ("figures" < "step" < "trajectories"): equal to json_bytes of the whole.
     head = json_bytes({"step": step, **({"figures": dict(figures)} if figures else {})})
     data = b"".join([head[:-1], b',"trajectories":[', b",".join(pieces), b"]}"])
-    key = idempotency_key or f"{run}-{step}-{hashlib.sha256(data).hexdigest()[:16]}"
-    return key, b'{"idempotency_key":' + json.dumps(key).encode() + b"," + data[1:], fit
+    return (*_keyed(run, step, data, idempotency_key), fit)

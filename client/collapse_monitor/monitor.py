@@ -203,13 +203,16 @@ class Monitor:
         *,
         idempotency_key: str | None = None,
         figures: Mapping[str, Any] | None = None,
+        rows_sampled_out: int = 0,
     ) -> None:
         """Queues one training step's trajectories; returns at once.
 
         See ``collapse_monitor.batches.normalize`` for the trajectory format. ``idempotency_key``
         overrides the content-derived idempotency key (rarely needed). ``figures``: numbers the
         trainer computed for this step (its SNR filter's, say), stored as series of sampler
-        ``trainer``; see ``figures()`` for those known only after the step.
+        ``trainer``; see ``figures()`` for those known only after the step. ``rows_sampled_out``:
+        rows the caller left out by its own draw (``sample_indices``) before reading them, counted
+        with those ``log`` leaves out (``stats().rows_sampled_out``).
         """
         if not self._is_active("log"):
             return
@@ -230,7 +233,7 @@ class Monitor:
         sendable = self._sendable(step, figures or {})
         self._start().submit(
             Request("batch", step, encode=functools.partial(self._encode, step, rows, idempotency_key, sendable)),
-            rows_sampled_out=left_out,
+            rows_sampled_out=left_out + rows_sampled_out,
         )
 
     def _encode(
@@ -238,6 +241,17 @@ class Monitor:
     ) -> tuple[str, bytes]:
         """A batch's key and body, fitted to the service's limits (on the sender's thread; durable: the caller's)."""
         key, body, fit = encode(self.run, step, rows, idempotency_key, figures, self.limits)
+        if fit.n_cut:
+            self._sender.count("rows_cut", fit.n_cut)
+            logger.warning(
+                "collapse-monitor: step %d: %d trajectories sent with their texts or token ids cut to the service's "
+                "limits (%d characters a text, %d ids a list, a trajectory within one batch of %d bytes)",
+                step,
+                fit.n_cut,
+                self.limits.max_text_chars,
+                self.limits.max_token_ids,
+                self.limits.max_body_bytes,
+            )
         if fit.left_out:
             self._sender.count("rows_left_out", sum(fit.left_out.values()))
             logger.warning(

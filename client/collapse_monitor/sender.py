@@ -6,7 +6,10 @@ unreachable (or answers 429/503), it backs off exponentially with jitter, honour
 not memory. The spool is always older than the memory queue (everything logged after a spill is
 spilled behind it until the spool has drained), so requests leave in logged order: spool first,
 then memory. Refused requests are moved to the spool's ``rejected/`` folder and counted, never
-dropped silently (of one refused for its size, 413, only the reason is kept). Must not import the integrations.
+dropped silently (of one refused for its size, 413, only the reason is kept). A batch refused for its
+scoring cost (413, ``max_scoring_cost``: the run's samplers and the service's limit, which the client
+cannot know beforehand) is first refitted to the limit the refusal names (``batches.refit``: its
+longest texts and token lists cut) and sent again. Must not import the integrations.
 """
 
 from __future__ import annotations
@@ -20,14 +23,19 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from collapse_monitor.batches import refit
 from collapse_monitor.spool import Entry, Spool
-from collapse_monitor.transport import Outcome, Transport
+from collapse_monitor.transport import Outcome, Transport, scoring_cost_over
 
 logger = logging.getLogger("collapse_monitor")
 
 # A 500 is the service's own failure on this request; after this many the request is set aside
 # instead of blocking every later step behind it.
 MAX_SERVER_ERRORS = 5
+# A batch refused for its scoring cost is refitted at most this many times, each to this share of the limit the
+# refusal names: reasoning past the service's window counts only up to it, so one cut may not be enough.
+MAX_REFITS = 3
+REFIT_MARGIN = 0.9
 PATHS = {"batch": "batches", "checkpoint": "checkpoints", "figures": "figures"}  # what each request posts to
 COUNTS = {  # each request's Stats counters when accepted and when refused
     "batch": ("sent", "rejected"),
@@ -57,6 +65,8 @@ class Stats:
     spilled: int = 0  # ever written to the spool
     rows_sampled_out: int = 0  # trajectories left out by max_groups / max_rows
     rows_left_out: int = 0  # trajectories left out (whole groups) to fit the service's limits of one batch
+    rows_cut: int = 0  # trajectories sent with texts or token lists cut to the service's limits of one batch
+    refitted: int = 0  # batches cut to the scoring cost the service refused them for (413) and sent again
     server_warnings: int = 0  # warnings the service attached to accepted batches
     read_errors: int = 0  # alerts() / metrics() / run_info() calls that failed
     alert_polls: int = 0  # answered polls of the on_alert watchers
@@ -84,6 +94,7 @@ class Request:
     entry: Entry | None = None  # set while the request lives in the spool
     server_errors: int = 0
     run_missing: int = 0
+    refits: int = 0
 
     def payload(self, spool: Spool) -> bytes:
         if self.body is None:
@@ -334,12 +345,35 @@ class Sender:
                 logger.error("collapse-monitor: %s; batches stay in %s", message, self.spool.folder)
             self._record_failure(message)
             self._back_off(outcome, at_least=60.0)
+        elif request.kind == "batch" and request.refits < MAX_REFITS and (over := scoring_cost_over(outcome)):
+            self._refit(request, outcome, *over)
         elif outcome.kind == "retry" and not (outcome.status == 500 and request.server_errors + 1 >= MAX_SERVER_ERRORS):
             if outcome.status == 500:
                 request.server_errors += 1
             self._back_off(outcome)
         else:
             self._refused(request, outcome)
+
+    def _refit(self, request: Request, outcome: Outcome, cost: int, limit: int) -> None:
+        """Cuts a batch refused for its scoring cost to the limit the refusal named; it is sent again next."""
+        request.refits += 1
+        try:
+            request.key, body = refit(self.run, request.payload(self.spool), REFIT_MARGIN * limit / max(cost, 1))
+        except (ValueError, KeyError, TypeError) as e:  # not a body this client wrote: refused as it is
+            logger.error("collapse-monitor: the %s cannot be refitted: %r", request.describe(), e)
+            self._refused(request, outcome)
+            return
+        if request.entry is not None:
+            request.entry = self.spool.replace(request.entry, body)
+        request.body = body
+        self.count("refitted")
+        logger.warning(
+            "collapse-monitor: the service refused the %s: its scoring would cost about %d tokens, more than its "
+            "max_scoring_cost=%d; its longest texts and token ids were cut to fit and it is sent again",
+            request.describe(),
+            cost,
+            limit,
+        )
 
     def _delivered(self, request: Request, outcome: Outcome) -> None:
         answer = outcome.answer if isinstance(outcome.answer, dict) else {}

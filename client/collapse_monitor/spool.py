@@ -93,6 +93,16 @@ class Spool:
             self._bytes += entry.size
             return entry
 
+    def replace(self, entry: Entry, body: bytes) -> Entry:
+        """Writes ``body`` in place of a pending request's (atomically, keeping its place); returns its new entry."""
+        _write_atomically(entry.path, body)
+        new = Entry(entry.sequence, entry.kind, entry.step, entry.path, len(body))
+        with self._lock:
+            if entry in self._pending:
+                self._pending[self._pending.index(entry)] = new
+                self._bytes += new.size - entry.size
+        return new
+
     def read(self, entry: Entry) -> bytes:
         return entry.path.read_bytes()
 

@@ -8,7 +8,15 @@ import math
 
 import pytest
 
-from collapse_monitor.batches import HEAD_BYTES, BatchLimits, TrajectoryError, encode, normalize, sample_indices
+from collapse_monitor.batches import (
+    HEAD_BYTES,
+    BatchLimits,
+    TrajectoryError,
+    encode,
+    normalize,
+    refit,
+    sample_indices,
+)
 
 
 class IdTensor:
@@ -232,3 +240,74 @@ def test_a_group_larger_than_the_body_sends_its_trajectories_that_fit():
     _, body, fit = encode("run", 1, rows, limits=SMALL)
     assert len(json.loads(body)["trajectories"]) == 6  # 64 KiB of ~10 KB trajectories
     assert fit.left_out == {0: 4}
+
+
+def test_texts_and_token_lists_past_their_limits_keep_a_prompts_last_and_a_responses_first_entries():
+    rows = normalize(
+        [
+            {"group_id": 0, "reward": 1.0, "prompt": "abcdefghij" * 3, "response": "0123456789" * 3},
+            {
+                "group_id": 0,
+                "reward": 0.0,
+                "prompt_token_ids": list(range(100)),
+                "reasoning_token_ids": list(range(100, 200)),
+                "reasoning_logprobs": [-0.5] * 100,
+                "token_entropies": [0.5] * 100,
+            },
+        ]
+    )
+    _, body, fit = encode("run", 1, rows, limits=BatchLimits(max_text_chars=12, max_token_ids=10))
+    text, ids = (t["turns"][0] for t in json.loads(body)["trajectories"])
+    assert (text["prompt"], text["response"]) == ("abcdefghij"[-2:] + "abcdefghij", "0123456789" + "01")
+    assert ids["prompt_token_ids"] == list(range(90, 100))
+    assert ids["reasoning_token_ids"] == list(range(100, 110))
+    assert len(ids["reasoning_logprobs"]) == len(ids["token_entropies"]) == 10  # still one per reasoning token
+    assert fit.n_cut == 2
+    assert fit.left_out == {}
+
+
+def test_a_single_turn_past_the_body_alone_is_cut_longest_lists_first_into_one_body():
+    # 200,000 reasoning ids are ~1.3 MB of JSON: sent as they were, the body was refused (a 5M-id turn: 35 MB)
+    rows = normalize(
+        [{"group_id": 0, "reward": 1.0, "prompt_token_ids": [1, 2, 3], "reasoning_token_ids": list(range(200_000))}]
+    )
+    _, body, fit = encode("run", 1, rows, limits=BatchLimits(max_body_bytes=2 * HEAD_BYTES, max_token_ids=10**6))
+    assert len(body) <= 2 * HEAD_BYTES
+    [turn] = [t["turns"][0] for t in json.loads(body)["trajectories"]]
+    assert turn["prompt_token_ids"] == [1, 2, 3]  # short: whole
+    assert 1000 < len(turn["reasoning_token_ids"]) < 200_000
+    assert turn["reasoning_token_ids"] == list(range(len(turn["reasoning_token_ids"])))  # its first ids
+    assert fit.n_cut == 1
+
+
+def test_a_turn_count_past_the_limit_keeps_the_first_turns():
+    turns = [{"prompt": f"p{k}", "response": f"r{k}"} for k in range(10)]
+    _, body, fit = encode(
+        "run", 1, normalize([{"group_id": 0, "reward": 1.0, "turns": turns}]), limits=BatchLimits(max_turns=4)
+    )
+    assert [t["prompt"] for t in json.loads(body)["trajectories"][0]["turns"]] == ["p0", "p1", "p2", "p3"]
+    assert fit.n_cut == 1
+
+
+def test_a_refit_cuts_the_longest_texts_to_the_fraction_asked_and_keys_the_new_content():
+    prompts = ["short prompt", "m" * 4000, "l" * 20_000]
+    rows = normalize([{"group_id": g, "reward": 1.0, "prompt": p, "response": "r" * 50} for g, p in enumerate(prompts)])
+    key, body, _ = encode("run", 3, rows, figures={"loss": 0.5})
+    new_key, new_body = refit("run", body, 0.25)
+    batch = json.loads(new_body)
+    sent = [t["turns"][0] for t in batch["trajectories"]]
+    chars = sum(len(t["prompt"]) + len(t["response"]) for t in sent)
+    before = sum(len(p) + 50 for p in prompts)
+    assert 0.2 * before < chars <= 0.25 * before
+    assert [t["prompt"] for t in sent][0] == "short prompt"  # short texts stay whole
+    assert len(sent[1]["prompt"]) == len(sent[2]["prompt"])  # the long ones cut to one length, their last chars
+    assert (batch["step"], batch["figures"]) == (3, {"loss": 0.5})
+    rest = json_without_key(new_body)
+    assert new_key == batch["idempotency_key"] == f"run-3-{hashlib.sha256(rest).hexdigest()[:16]}" != key
+    assert refit("run", body, 0.25) == (new_key, new_body)  # a refit replayed is the same batch
+
+
+def json_without_key(body: bytes) -> bytes:
+    batch = json.loads(body)
+    del batch["idempotency_key"]
+    return json.dumps(batch, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

@@ -230,7 +230,7 @@ def test_log_batch_samples_before_decoding_and_the_service_receives_the_text(ser
     assert len({t["group_id"] for t in sent}) == 2
     expected = {(prompt_text(tokenizer, q), a, r) for q, a, r in zip(questions, answers, rewards)}
     assert {(t["turns"][0]["prompt"], t["turns"][0]["response"], t["reward"]) for t in sent} <= expected
-    assert monitor.stats().rows_sampled_out == 0  # sampled in log_batch, before decoding
+    assert monitor.stats().rows_sampled_out == 4  # drawn in log_batch, before decoding, and counted
 
 
 def test_an_unreadable_batch_is_counted_and_never_raises_by_default(service, run_name, tmp_path, tokenizer):

@@ -139,7 +139,7 @@ def _convert(
         return
     try:
         if rows:
-            monitor.log(rollout_id, rows)
+            monitor.log(rollout_id, rows, rows_sampled_out=len(samples) - len(kept))
         else:
             monitor.invalid(rollout_id, f"none of the {len(samples)} samples holds a model token")
     except Exception as e:  # a strict monitor raises what it counts; here no trainer is there to catch it

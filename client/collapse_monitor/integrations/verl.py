@@ -116,18 +116,20 @@ def log_batch(
     reward_key: str | None = None,
 ) -> None:
     """Sends one training batch; never raises unless the monitor is strict (see ``trajectories``)."""
+    sampled_out = 0
+
+    def select(groups: Sequence[Any]) -> list[int]:  # drawn before decoding; counted as log() counts its draws
+        nonlocal sampled_out
+        kept = monitor.sample_indices(step, groups)
+        sampled_out = len(groups) - len(kept)
+        return kept
+
     try:
-        rows = trajectories(
-            batch,
-            tokenizer,
-            token_ids=token_ids,
-            reward_key=reward_key,
-            select=lambda g: monitor.sample_indices(step, g),
-        )
+        rows = trajectories(batch, tokenizer, token_ids=token_ids, reward_key=reward_key, select=select)
     except (KeyError, ValueError, TypeError) as e:
         monitor.invalid(step, f"cannot read the verl batch: {e!r}", e)
         return
-    monitor.log(step, rows)
+    monitor.log(step, rows, rows_sampled_out=sampled_out)
 
 
 def trajectories(
