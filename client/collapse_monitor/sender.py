@@ -356,11 +356,12 @@ class Sender:
 
     def _refit(self, request: Request, outcome: Outcome, cost: int, limit: int) -> None:
         """Cuts a batch refused for its scoring cost to the limit the refusal named; it is sent again next."""
+        refused = request.describe()
         request.refits += 1
         try:
             request.key, body = refit(self.run, request.payload(self.spool), REFIT_MARGIN * limit / max(cost, 1))
         except (ValueError, KeyError, TypeError) as e:  # not a body this client wrote: refused as it is
-            logger.error("collapse-monitor: the %s cannot be refitted: %r", request.describe(), e)
+            logger.error("collapse-monitor: the %s cannot be refitted: %r", refused, e)
             self._refused(request, outcome)
             return
         if request.entry is not None:
@@ -369,10 +370,12 @@ class Sender:
         self.count("refitted")
         logger.warning(
             "collapse-monitor: the service refused the %s: its scoring would cost about %d tokens, more than its "
-            "max_scoring_cost=%d; its longest texts and token ids were cut to fit and it is sent again",
-            request.describe(),
+            "max_scoring_cost=%d; sent again as %s, its longest texts and token ids cut to %.0f%% of that",
+            refused,
             cost,
             limit,
+            request.key,
+            100 * REFIT_MARGIN,
         )
 
     def _delivered(self, request: Request, outcome: Outcome) -> None:

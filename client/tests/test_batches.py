@@ -299,7 +299,7 @@ def test_a_refit_cuts_the_longest_texts_to_the_fraction_asked_and_keys_the_new_c
     chars = sum(len(t["prompt"]) + len(t["response"]) for t in sent)
     before = sum(len(p) + 50 for p in prompts)
     assert 0.2 * before < chars <= 0.25 * before
-    assert [t["prompt"] for t in sent][0] == "short prompt"  # short texts stay whole
+    assert sent[0]["prompt"] == "short prompt"  # short texts stay whole
     assert len(sent[1]["prompt"]) == len(sent[2]["prompt"])  # the long ones cut to one length, their last chars
     assert (batch["step"], batch["figures"]) == (3, {"loss": 0.5})
     rest = json_without_key(new_body)

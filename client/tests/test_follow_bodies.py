@@ -1,5 +1,6 @@
 """``follow`` on steps past the service's limits of one batch: read in bounded memory, sent as the whole groups
-that fit, a refused body not kept (issue 38 item 3). The service here takes bodies of at most 256 KiB."""
+that fit, a refused body not kept, a body refused for its scoring cost refitted to it (issue 38 item 3). The small
+service takes bodies of at most 256 KiB; the other has the service's defaults."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from bench.follow_traces import write_traces
 from bench.peak import run_measured
 from running_service import RunningService
 
+from collapse_monitor.monitor import Monitor
+
 CLI = Path(sys.executable).parent / "collapse-monitor-client"
 BODY = 256 * 1024
 
@@ -22,6 +25,14 @@ BODY = 256 * 1024
 @pytest.fixture(scope="module")
 def small_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
     running = RunningService(tmp_path_factory.mktemp("small"), max_body_bytes=str(BODY), scoring_paused="true")
+    running.start()
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def default_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
+    running = RunningService(tmp_path_factory.mktemp("default"), scoring_paused="true")
     running.start()
     yield running
     running.stop()
@@ -111,3 +122,49 @@ def test_a_long_prime_rl_trace_is_read_in_bounded_memory_and_its_first_turns_del
     assert turns[0]["prompt"].startswith(f"system: {first[0]['message']['content']}")  # short: whole
     assert all(t["prompt"].endswith("\nassistant:") for t in turns)  # long: their last characters
     assert f"a trace of 1070 turns is sent as its first {len(turns)}," in log
+
+
+def test_a_long_prime_rl_trace_is_taken_with_the_default_limits_refitted_to_the_scoring_cost_refused(
+    default_service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    # Its first 256 turns of ~25k-token prompts made a 19 MB body that the service refused for its scoring cost
+    # (~102M tokens: 64 rows x 64 columns of them, against max_scoring_cost 16M); users had to pass
+    # --max-text-chars by hand, though the client cannot know the run's samplers or the service's limit.
+    folder = tmp_path / "out"
+    write_traces(folder, 1.1, episodes=1)
+    code, result, log, peak_mb = follow(default_service.url, folder, run_name, tmp_path / "spool")
+    assert code == 0, log
+    stats = result["stats"]
+    assert (stats["sent"], stats["rejected"], stats["refitted"]) == (1, 0, 1)
+    assert "more than its max_scoring_cost=16000000; sent again as" in log
+    assert peak_mb < 400  # the 19 MB body, parsed and cut once
+    [stored] = default_service.payloads(run_name)
+    [trajectory] = stored["trajectories"]
+    turns = trajectory["turns"]
+    assert len(turns) == 256  # every turn kept, its prompt shorter
+    assert all(t["prompt"].endswith("\nassistant:") for t in turns)  # a prompt keeps its last characters
+    assert len(json.dumps(stored)) < 4_000_000
+    assert stored["idempotency_key"] == default_service.batches(run_name)[0][1]
+    assert not (tmp_path / "spool" / run_name / "rejected").exists()
+
+
+def test_a_logged_step_refused_for_its_scoring_cost_is_refitted_in_memory_and_taken(
+    default_service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    # 64 rows of 8 groups, 20,000-character prompts: ~31M tokens for the run's two default samplers, past 16M
+    rows = [
+        {"group_id": g, "reward": float(k % 2), "prompt": f"{g} " + "p" * 20_000, "response": f"answer {k}"}
+        for g in range(8)
+        for k in range(8)
+    ]
+    monitor = Monitor(default_service.url, run_name, spool_dir=tmp_path, strict=True)
+    monitor.log(3, rows)
+    assert monitor.close(120)
+    stats = monitor.stats()
+    assert (stats.sent, stats.rejected, stats.refitted, stats.spilled) == (1, 0, 1, 0)  # never on disk
+    [stored] = default_service.payloads(run_name)
+    prompts = [t["turns"][0]["prompt"] for t in stored["trajectories"]]
+    assert len(prompts) == 64
+    assert len({len(p) for p in prompts}) == 1  # equally long: cut to one length
+    assert 5_000 < len(prompts[0]) < 10_000
+    assert [t["turns"][0]["response"] for t in stored["trajectories"]] == [r["response"] for r in rows]  # short

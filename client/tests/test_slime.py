@@ -183,7 +183,7 @@ def test_odd_samples_and_arguments_are_counted_never_raised_into_the_trainer(tmp
 
 
 @pytest.mark.usefixtures("fresh_monitors")
-def test_a_rollout_of_100000_samples_sends_4096_in_whole_groups_and_reads_no_other(
+def test_a_rollout_of_100000_samples_sends_4096_in_whole_groups_reads_no_other_and_counts_them(
     service, run_name, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("COLLAPSE_MONITOR_URL", service.url)
@@ -207,6 +207,8 @@ def test_a_rollout_of_100000_samples_sends_4096_in_whole_groups_and_reads_no_oth
     assert {t["turns"][0]["response"] for t in sent} == {f"answer {i}" for i in kept}
     per_group = {t["group_id"]: sum(s["group_id"] == t["group_id"] for s in sent) for t in sent}
     assert set(per_group.values()) == {8}  # whole groups: each prompt's reward spread intact
+    stats = slime._monitors[(service.url, run_name)].stats()
+    assert (stats.rows_sampled_out, stats.rows_left_out) == (100_000 - 4096, 0)  # the hook's draw, counted
 
 
 @pytest.mark.usefixtures("fresh_monitors")
