@@ -8,11 +8,12 @@ episodes of one group, each one trainable trace of alternating assistant tool ca
 so what the file expands to grows with the square of a trace's length. Then runs
 ``collapse-monitor-client follow --once`` on it against a real ``collapse-monitor serve`` (tiny-random
 scorer, scoring paused, SQLite in a throwaway folder) and reports the child's own peak RSS
-(``bench/peak.py``), its seconds, what the service stored (each batch's body size), the size of each body it
-refused (from the spool's ``rejected/``: the body kept, or its ``.error.json``'s ``bytes``) and the
-bodies kept. ``--client-path`` runs the client from another checkout's ``client/`` folder
-(``git archive <commit> | tar -x -C /tmp/old``) to compare in one session; ``--client-args`` adds
-options to ``follow`` (``"--max-text-chars 8000"``). Prints one JSON object.
+(``bench/peak.py``), its seconds, the bodies the client refitted to the scoring cost the service refused them
+for, what the service stored (each batch's body size), the size of each body it refused for good (from the
+spool's ``rejected/``: the body kept, or its ``.error.json``'s ``bytes``) and the bodies kept.
+``--client-path`` runs the client from another checkout's ``client/`` folder (``git archive <commit> |
+tar -x -C /tmp/old``) to compare in one session; ``--client-args`` adds options to ``follow``
+(``"--max-text-chars 8000"``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def follow_once(url: str, folder: Path, spool: Path, client_path: Path, extra: l
         "peak_rss_mb": peak_mb,
         "sent": stats.get("sent"),
         "rejected": stats.get("rejected"),
+        "refitted": stats.get("refitted"),  # refused for the scoring cost, cut to it and sent again
         "log_tail": [line[:300] for line in log[-3:]],
     }
 

@@ -111,8 +111,10 @@ class GroupFit(Generic[T]):
         return [item for _, item, _ in sorted((e for g in self._groups.values() for e in g), key=lambda e: e[0])]
 
     def describe_left_out(self, limit: int = 5) -> str:
-        """``3 groups (12 trajectories): 'g1', 'g2', 'g7'`` for a log line; the first ``limit`` named."""
-        named = ", ".join(repr(g) for g in list(self.left_out)[:limit])
+        """``3 groups (12 trajectories): 'g1', 'g2', 'g7'`` for a log line; the first ``limit`` named, each in at
+        most 80 characters (a group without an id is named by its prompt)."""
+        names = (repr(g) for g in list(self.left_out)[:limit])
+        named = ", ".join(name if len(name) <= 80 else f"{name[:77]}..." for name in names)
         more = f" and {len(self.left_out) - limit} more" if len(self.left_out) > limit else ""
         return f"{len(self.left_out)} groups ({sum(self.left_out.values())} trajectories): {named}{more}"
 
@@ -352,17 +354,17 @@ def shorten(trajectory: Mapping[str, Any], text_chars: int, token_ids: int) -> d
     turns = []
     is_cut = False
     for turn in trajectory["turns"]:
-        out = dict(turn)
+        cut = {}
         for names, limit, prompt in (
             (TEXT_KEYS, text_chars, "prompt"),
             (TOKEN_LIST_KEYS, token_ids, "prompt_token_ids"),
         ):
             for name in names:
-                value = out.get(name)
+                value = turn.get(name)
                 if isinstance(value, (str, list)) and len(value) > limit:
-                    out[name] = value[-limit:] if name == prompt else value[:limit]
-                    is_cut = True
-        turns.append(out)
+                    cut[name] = value[-limit:] if name == prompt else value[:limit]
+        turns.append({**turn, **cut} if cut else turn)
+        is_cut = is_cut or bool(cut)
     return {**trajectory, "turns": turns} if is_cut else None
 
 

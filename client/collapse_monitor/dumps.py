@@ -26,9 +26,10 @@ The line formats, told apart line by line:
 Lines are read and converted one at a time, and a step holds only what one body can send
 (``batches.GroupFit``): whole groups past the service's limits of one batch are left out as they
 come and named in the log, so reading holds about one body per step, not what the file expands to
-(verl rows are the exception: a session's turns may be anywhere in the file, so its rows are kept
-until the end). An episode record's trajectories are bounded to its share of that body, its line's
-share of the file's bytes (``prime_rl_traces``).
+(the rows of verl's multi-turn sessions are the exception: a session's turns may be anywhere in the
+file, so they are kept until its end; a verl row of its own is converted as it comes). An episode
+record's trajectories are bounded to its share of that body, its line's share of the file's bytes
+(``prime_rl_traces``).
 
 Must not import httpx or the monitor.
 """
@@ -129,8 +130,10 @@ def batches_of(
         row_step = _roll_step(row, step, f"{where}:{number}") if is_roll_batch(row) else row.get("step", step)
         if isinstance(row_step, bool) or not isinstance(row_step, int) or row_step < 0:
             raise DumpError(f"{where}:{number}: needs an integer step (a 'step' field or --step), got {row_step!r}")
-        if is_verl_row(row):
-            keep(row_step, [])
+        if is_verl_row(row) and _verl_key(row, number)[1][0] == "row":  # a trajectory of its own
+            keep(row_step, verl_trajectories([row]))
+        elif is_verl_row(row):
+            keep(row_step, [])  # the step keeps its place in the order of steps
             verl.setdefault(row_step, []).append(row)
         else:
             share = limits.trajectory_bytes * n_bytes // max(total_bytes or n_bytes, n_bytes)

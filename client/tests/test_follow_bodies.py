@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from bench.follow_traces import write_traces
 from bench.peak import run_measured
 from running_service import RunningService
 
+from collapse_monitor.batches import BatchLimits
+from collapse_monitor.dumps import batches_of
 from collapse_monitor.monitor import Monitor
 
 CLI = Path(sys.executable).parent / "collapse-monitor-client"
@@ -168,3 +171,23 @@ def test_a_logged_step_refused_for_its_scoring_cost_is_refitted_in_memory_and_ta
     assert len({len(p) for p in prompts}) == 1  # equally long: cut to one length
     assert 5_000 < len(prompts[0]) < 10_000
     assert [t["turns"][0]["response"] for t in stored["trajectories"]] == [r["response"] for r in rows]  # short
+
+
+def test_a_verl_step_file_is_read_a_row_at_a_time_holding_about_one_body() -> None:
+    # 4,000 single-turn verl rows of ~10 KB (40 MB) in one step: they were all held until the file's end
+    def rows() -> Iterator[tuple[int, dict[str, Any], int]]:
+        for i in range(4000):
+            row = {"input": f"prompt {i // 8} " + "q" * 2000, "output": f"{i} " + "a" * 8000, "score": i % 2, "step": 3}
+            yield i + 1, row, 10_000
+
+    limits = BatchLimits(max_body_bytes=BODY)
+    tracemalloc.start()
+    try:
+        [(step, kept)] = batches_of(rows(), "3.jsonl", limits=limits).items()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert step == 3
+    assert len(kept) == 16  # the first 2 whole groups of 8 within 192 KiB
+    assert [t["turns"][0]["prompt"][:9] for t in kept] == ["prompt 0 "] * 8 + ["prompt 1 "] * 8
+    assert peak < 8 * BODY  # the kept body, one row at a time and the keys of the groups left out, not 40 MB
