@@ -962,6 +962,29 @@ def slime_tool_turns(turns: int) -> dict:
     )
 
 
+def long_token_turn(millions: int) -> dict:
+    """One trajectory of one turn of ``millions`` million reasoning token ids, logged into the spool with nothing
+    listening (issue 38, client side: encoded whole, a 5M-id turn made a ~38 MB body the service refuses, and
+    past one body alone it was sent as it was): the seconds ``log`` takes (durable: encoding included), the
+    body's size and the ids it keeps."""
+    from collapse_monitor.monitor import Monitor
+
+    ids = list(range(millions * 1_000_000))
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = Monitor("http://127.0.0.1:9", "bench-ids", spool_dir=tmp, durable=True, exit_timeout=0)
+        start = time.perf_counter()
+        monitor.log(1, [{"group_id": 0, "reward": 1.0, "prompt_token_ids": [1, 2, 3], "reasoning_token_ids": ids}])
+        seconds = time.perf_counter() - start
+        monitor.close(timeout=0)
+        (path,) = Path(tmp, "bench-ids").glob("*-batch-1.json")
+        [turn] = json.loads(path.read_bytes())["trajectories"][0]["turns"]
+        return {
+            "seconds": round(seconds, 2),
+            "body_mb": round(path.stat().st_size / 2**20, 2),
+            "reasoning_ids_sent": len(turn["reasoning_token_ids"]),
+        }
+
+
 VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int | None]] = {
     # name: (unit, measure, sizes, small sizes, a size the service refuses)
     "think_tags": ("<think> per response", think_tags, [5000, 10_000, 20_000], [1000, 2000, 4000], None),
@@ -1003,6 +1026,7 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     "follow_unreadable": ("copies of 4 unreadable files", follow_unreadable, [1, 10, 100], [1, 10], None),
     "slime_hook": ("samples", slime_hook, [1000, 10_000, 100_000], [1000, 10_000], None),
     "slime_tool_turns": ("tool turns a sample", slime_tool_turns, [20, 200, 2000], [20, 200], None),
+    "long_token_turn": ("million reasoning ids in one turn", long_token_turn, [1, 5], [1], None),
 }
 
 
