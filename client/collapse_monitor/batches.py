@@ -30,6 +30,8 @@ TEXT_KEYS = ("prompt", "response", "reasoning")
 TOKEN_ID_KEYS = ("prompt_token_ids", "reasoning_token_ids")
 # Lists of one entry per token of a turn (ids, and the trainer's per-token floats), cut together with the ids.
 TOKEN_LIST_KEYS = (*TOKEN_ID_KEYS, "token_entropies", "reasoning_logprobs")
+CUT_KEYS = (*TEXT_KEYS, *TOKEN_LIST_KEYS)  # what ``shorten`` may cut
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # cut to their last characters or ids, the others to their first
 GROUP_KEYS = ("group_id", "group")
 # What the service takes as a trainer's figures (docs/api.md, Trainer figures).
 FIGURE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./:@-]{0,79}$")
@@ -343,9 +345,9 @@ def sendable_figures(figures: Mapping[str, Any]) -> tuple[dict[str, float], dict
     return kept, left_out
 
 
-def shorten(trajectory: Mapping[str, Any], text_chars: int, token_ids: int) -> dict[str, Any] | None:
-    """A copy of a normalized ``trajectory`` whose texts hold at most ``text_chars`` characters and token lists
-    at most ``token_ids`` entries (both at least 1), or None when none holds more.
+def shorten(trajectory: Mapping[str, Any], caps: Mapping[str, int]) -> dict[str, Any] | None:
+    """A copy of a normalized ``trajectory`` whose texts and token lists named in ``caps`` hold at most their
+    cap (at least 1) of characters or entries, or None when none holds more.
 
     A prompt keeps its last characters or ids (a scorer keeps a long prompt's last tokens too); a response,
     a reasoning and the per-token lists of the response keep their first (the reasoning window scores a
@@ -355,29 +357,33 @@ def shorten(trajectory: Mapping[str, Any], text_chars: int, token_ids: int) -> d
     is_cut = False
     for turn in trajectory["turns"]:
         cut = {}
-        for names, limit, prompt in (
-            (TEXT_KEYS, text_chars, "prompt"),
-            (TOKEN_LIST_KEYS, token_ids, "prompt_token_ids"),
-        ):
-            for name in names:
-                value = turn.get(name)
-                if isinstance(value, (str, list)) and len(value) > limit:
-                    cut[name] = value[-limit:] if name == prompt else value[:limit]
+        for name, cap in caps.items():
+            value = turn.get(name)
+            if isinstance(value, (str, list)) and len(value) > cap:
+                cut[name] = value[-cap:] if name in PROMPT_KEYS else value[:cap]
         turns.append({**turn, **cut} if cut else turn)
         is_cut = is_cut or bool(cut)
     return {**trajectory, "turns": turns} if is_cut else None
 
 
-def caps(trajectories: Sequence[Mapping[str, Any]], fraction: float) -> tuple[int, int]:
-    """The caps of texts (characters) and of token lists (entries) that keep about ``fraction`` of what
-    ``trajectories`` hold of each: the longest are cut first, to one length, so short prompts stay whole."""
-    texts: list[int] = []
-    lists: list[int] = []
+def limit_caps(limits: BatchLimits) -> dict[str, int]:
+    """The caps (``shorten``) of the service's per-field limits: ``max_text_chars``, ``max_token_ids``."""
+    return {**dict.fromkeys(TEXT_KEYS, limits.max_text_chars), **dict.fromkeys(TOKEN_LIST_KEYS, limits.max_token_ids)}
+
+
+def caps(trajectories: Sequence[Mapping[str, Any]], fraction: float, keys: Sequence[str] = CUT_KEYS) -> dict[str, int]:
+    """The caps (``shorten``) of the fields ``keys`` that keep about ``fraction`` of what ``trajectories`` hold
+    of them: one for texts (characters), one for token lists (entries); the longest are cut first, to one
+    length, so short ones stay whole."""
+    sizes: dict[bool, list[int]] = {True: [], False: []}  # is it text -> the lengths
     for trajectory in trajectories:
         for turn in trajectory["turns"]:
-            texts += [len(turn[k]) for k in TEXT_KEYS if isinstance(turn.get(k), str)]
-            lists += [len(turn[k]) for k in TOKEN_LIST_KEYS if isinstance(turn.get(k), list)]
-    return _cap(texts, fraction * sum(texts)), _cap(lists, fraction * sum(lists))
+            for key in keys:
+                value = turn.get(key)
+                if isinstance(value, (str, list)):
+                    sizes[isinstance(value, str)].append(len(value))
+    cap = {is_text: _cap(lengths, fraction * sum(lengths)) for is_text, lengths in sizes.items()}
+    return {key: cap[key in TEXT_KEYS] for key in keys}
 
 
 def _cap(sizes: list[int], budget: float) -> int:
@@ -402,12 +408,12 @@ def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, b
     current: Mapping[str, Any] = trajectory
     if len(trajectory["turns"]) > limits.max_turns:
         current = {**trajectory, "turns": trajectory["turns"][: limits.max_turns]}
-    current = shorten(current, limits.max_text_chars, limits.max_token_ids) or current
+    current = shorten(current, limit_caps(limits)) or current
     piece = json_bytes(current)
     for _ in range(MAX_CUTS):
         if len(piece) + 1 <= limits.trajectory_bytes:
             break
-        shorter = shorten(current, *caps([current], 0.9 * limits.trajectory_bytes / len(piece)))
+        shorter = shorten(current, caps([current], 0.9 * limits.trajectory_bytes / len(piece)))
         if shorter is None:
             break  # nothing left to cut: sent as it is, and refused
         current = shorter
@@ -415,15 +421,16 @@ def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, b
     return piece, current is not trajectory
 
 
-def refit(run: str, body: bytes, fraction: float) -> tuple[str, bytes]:
-    """A batch's body with its texts and token lists cut to about ``fraction`` of what they hold (``caps``),
-    under the key of its new content: a body the service refused for its scoring cost, refitted to it.
+def refit(run: str, body: bytes, fraction: float, keys: Sequence[str] = CUT_KEYS) -> tuple[str, bytes]:
+    """A batch's body with its fields ``keys`` (texts and token lists) cut to about ``fraction`` of what they
+    hold (``caps``), under the key of its new content: a body the service refused for its scoring cost,
+    refitted to it.
 
     Deterministic, so a refit replayed after a restart is recognised as the same batch.
     """
     batch = json.loads(body)
-    text_chars, token_ids = caps(batch["trajectories"], fraction)
-    batch["trajectories"] = [shorten(t, text_chars, token_ids) or t for t in batch["trajectories"]]
+    limits = caps(batch["trajectories"], fraction, keys)
+    batch["trajectories"] = [shorten(t, limits) or t for t in batch["trajectories"]]
     batch.pop("idempotency_key", None)
     return _keyed(run, batch["step"], json_bytes(batch), None)
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from collapse_monitor.batches import refit
+from collapse_monitor.batches import CUT_KEYS, PROMPT_KEYS, refit
 from collapse_monitor.spool import Entry, Spool
 from collapse_monitor.transport import Outcome, Transport, scoring_cost_over
 
@@ -33,7 +33,9 @@ logger = logging.getLogger("collapse_monitor")
 # instead of blocking every later step behind it.
 MAX_SERVER_ERRORS = 5
 # A batch refused for its scoring cost is refitted at most this many times, each to this share of the limit the
-# refusal names: reasoning past the service's window counts only up to it, so one cut may not be enough.
+# refusal names. The first cuts the longest texts and token lists, whatever they are; a reasoning counts only up
+# to the service's window, though, so when long reasonings were what it cut, the service refuses again, and the
+# later refits cut prompts alone.
 MAX_REFITS = 3
 REFIT_MARGIN = 0.9
 PATHS = {"batch": "batches", "checkpoint": "checkpoints", "figures": "figures"}  # what each request posts to
@@ -357,9 +359,10 @@ class Sender:
     def _refit(self, request: Request, outcome: Outcome, cost: int, limit: int) -> None:
         """Cuts a batch refused for its scoring cost to the limit the refusal named; it is sent again next."""
         refused = request.describe()
+        keys = PROMPT_KEYS if request.refits else CUT_KEYS
         request.refits += 1
         try:
-            request.key, body = refit(self.run, request.payload(self.spool), REFIT_MARGIN * limit / max(cost, 1))
+            request.key, body = refit(self.run, request.payload(self.spool), REFIT_MARGIN * limit / max(cost, 1), keys)
         except (ValueError, KeyError, TypeError) as e:  # not a body this client wrote: refused as it is
             logger.error("collapse-monitor: the %s cannot be refitted: %r", refused, e)
             self._refused(request, outcome)
@@ -370,11 +373,12 @@ class Sender:
         self.count("refitted")
         logger.warning(
             "collapse-monitor: the service refused the %s: its scoring would cost about %d tokens, more than its "
-            "max_scoring_cost=%d; sent again as %s, its longest texts and token ids cut to %.0f%% of that",
+            "max_scoring_cost=%d; sent again as %s, its longest %s cut to %.0f%% of that",
             refused,
             cost,
             limit,
             request.key,
+            "prompts" if keys == PROMPT_KEYS else "texts and token ids",
             100 * REFIT_MARGIN,
         )
 

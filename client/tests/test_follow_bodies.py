@@ -191,3 +191,31 @@ def test_a_verl_step_file_is_read_a_row_at_a_time_holding_about_one_body() -> No
     assert len(kept) == 16  # the first 2 whole groups of 8 within 192 KiB
     assert [t["turns"][0]["prompt"][:9] for t in kept] == ["prompt 0 "] * 8 + ["prompt 1 "] * 8
     assert peak < 8 * BODY  # the kept body, one row at a time and the keys of the groups left out, not 40 MB
+
+
+def test_a_step_whose_cost_lies_in_its_prompts_not_its_long_reasonings_is_refitted_on_its_prompts(
+    default_service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    # 12,000-character prompts, 100,000-character responses: the service counts a reasoning up to its window (512
+    # tokens), so the cost (~21M) lies in the prompts; the first refit cut the long responses and saved nothing
+    rows = [
+        {
+            "group_id": g,
+            "reward": float(k % 2),
+            "prompt": f"{g} " + "p" * 12_000 + " end",
+            "response": f"{k} " + "r" * 100_000,
+        }
+        for g in range(8)
+        for k in range(8)
+    ]
+    monitor = Monitor(default_service.url, run_name, spool_dir=tmp_path, strict=True)
+    monitor.log(4, rows)
+    assert monitor.close(120)
+    stats = monitor.stats()
+    assert (stats.sent, stats.rejected, stats.refitted) == (1, 0, 2)
+    [stored] = default_service.payloads(run_name)
+    turns = [t["turns"][0] for t in stored["trajectories"]]
+    assert len({len(t["prompt"]) for t in turns}) == 1
+    assert 5_000 < len(turns[0]["prompt"]) < 12_000
+    assert all(t["prompt"].endswith(" end") for t in turns)  # its last characters
+    assert all(t["response"].startswith(f"{k % 8} r") for k, t in enumerate(turns))  # its first
