@@ -169,7 +169,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         "--max-text-chars",
         type=int,
         default=BatchLimits.max_text_chars,
-        help="prime-rl: a prompt keeps at most its last this many characters, a response its first (default "
+        help="a prompt keeps at most its last this many characters, a response its first (default "
         f"{BatchLimits.max_text_chars}, the service's max_text_chars; long agent traces: see docs/client.md)",
     )
     parser.add_argument("--spool-dir", type=Path, help="where undelivered batches wait (default: user cache)")

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from collapse_monitor.batches import BatchLimits
 from collapse_monitor.completion_files import MissingExtraError
 from collapse_monitor.conversations import is_conversation, render_plain
 from collapse_monitor.dumps import DumpError
@@ -48,8 +49,8 @@ Decode = Callable[[list[int]], str]
 
 # The service's defaults (docs/settings.md): a trajectory of more than max_turns turns, or a prompt of more
 # than max_token_ids ids, is refused with the whole batch.
-MAX_TURNS = 256
-MAX_SAMPLE_TOKEN_IDS = 65_536
+MAX_TURNS = BatchLimits.max_turns
+MAX_SAMPLE_TOKEN_IDS = BatchLimits.max_token_ids
 
 
 def trajectories(

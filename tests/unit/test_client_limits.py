@@ -9,6 +9,6 @@ from collapse_monitor.batches import BatchLimits
 from service.settings import Settings
 
 
-@pytest.mark.parametrize("name", ["max_body_bytes", "max_trajectories", "max_turns", "max_text_chars"])
+@pytest.mark.parametrize("name", ["max_body_bytes", "max_trajectories", "max_turns", "max_text_chars", "max_token_ids"])
 def test_each_client_limit_is_the_services_default(name: str) -> None:
     assert getattr(BatchLimits(), name) == Settings.model_fields[name].default
