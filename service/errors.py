@@ -28,7 +28,8 @@
 
 Any other exception answers 500 ``internal_error`` in the same shape (``service.api.middleware``).
 Every error renders as ``{"error": code, "detail": what must hold and what was sent,
-"field": where, "index": which item}``; ``field`` is written as ``field_path`` writes it. An
+"field": where, "index": which item}`` (a ``TooLarge`` may add ``limit``, ``allowed`` and ``got``);
+``field`` is written as ``field_path`` writes it. An
 error with ``retry_after`` also sends a ``Retry-After`` header, the 401s and the scope 403 a
 ``WWW-Authenticate: Bearer`` one (RFC 6750).
 Must not import fastapi.
@@ -133,9 +134,20 @@ class StepConflict(Conflict):
     code = "step_conflict"
 
 
+@dataclass
 class TooLarge(ClientError):
+    """``limit``, ``allowed`` and ``got`` (the setting, its value, what was sent) where a client can act on
+    them: the scoring cost, which a client cannot compute without the run's samplers, is refitted to."""
+
+    limit: str | None = None
+    allowed: int | None = None
+    got: int | None = None
     status = 413
     code = "too_large"
+
+    def body(self) -> dict[str, object]:
+        extra = {"limit": self.limit, "allowed": self.allowed, "got": self.got} if self.limit is not None else {}
+        return super().body() | extra
 
 
 class StorageQuota(TooLarge):

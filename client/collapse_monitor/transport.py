@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import email.utils
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +20,6 @@ import httpx
 from collapse_monitor.version import __version__
 
 RETRIED_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-# The service's 413 for a batch whose scoring would cost too much (service/ingest/limits.py): its estimate and limit.
-SCORING_COST = re.compile(r"cost about (\d+) tokens .* more than max_scoring_cost=(\d+)")
 
 
 @dataclass(frozen=True)
@@ -88,14 +85,13 @@ def classify(response: httpx.Response) -> Outcome:
 
 
 def scoring_cost_over(outcome: Outcome) -> tuple[int, int] | None:
-    """(the batch's scoring cost, the service's max_scoring_cost) of a 413 refusing a batch for its scoring cost.
-
-    Read from the refusal's detail: the client cannot know the run's samplers and the service's limit
-    beforehand, and every service version that has the limit says both numbers there.
-    """
+    """(the batch's scoring cost, the service's max_scoring_cost) of a 413 refusing a batch for its scoring cost:
+    the client cannot know the run's samplers and the service's limit beforehand, and the refusal names both."""
     answer = outcome.answer if isinstance(outcome.answer, dict) else {}
-    found = SCORING_COST.search(str(answer.get("detail"))) if outcome.status == 413 else None
-    return (int(found[1]), int(found[2])) if found else None
+    if outcome.status != 413 or answer.get("limit") != "max_scoring_cost":
+        return None
+    got, allowed = answer.get("got"), answer.get("allowed")
+    return (got, allowed) if isinstance(got, int) and isinstance(allowed, int) else None
 
 
 def _detail(answer: Any) -> str:

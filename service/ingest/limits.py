@@ -112,13 +112,14 @@ def check_scoring_cost(payload: BatchIn, run: Run, limits: IngestLimits) -> None
     """413 when scoring the batch would cost more than ``max_scoring_cost`` (see ``scoring_cost``)."""
     cost = scoring_cost(payload, run.samplers, run.num_samples, run.score_every, limits.reasoning_window)
     if cost > limits.max_scoring_cost:
-        # The client refits the batch to the limit it reads from this detail (client transport.SCORING_COST): keep
-        # "cost about {cost} tokens" and "more than max_scoring_cost={limit}" in it.
         raise TooLarge(
             f"scoring this batch would cost about {cost} tokens (rows x columns x tokens per pair, summed over "
             f"the run's samplers), more than max_scoring_cost={limits.max_scoring_cost}; send fewer or shorter "
             "trajectories, or create the run with a smaller sampler.num_samples",
             field="trajectories",
+            limit="max_scoring_cost",
+            allowed=limits.max_scoring_cost,
+            got=cost,
         )
 
 
