@@ -16,7 +16,8 @@ def test_a_client_over_its_rate_gets_429_and_others_do_not(tmp_path, client_for)
     assert [client.get("/v1/runs").status_code for _ in range(2)] == [200, 200]
     refused = client.get("/v1/runs")
     assert refused.status_code == 429
-    assert refused.headers["retry-after"] == "2"
+    # a token comes back in 2 s at 0.5/s, less the time the requests took (over 1 s on a loaded machine)
+    assert refused.headers["retry-after"] in ("1", "2")
     assert refused.json()["error"] == "rate_limited"
     assert client.get("/healthz").status_code == 200
     assert client.get("/metrics").status_code == 200
