@@ -1,18 +1,28 @@
-"""The keys of a JSON body's objects, counted on its bytes before it is parsed.
+"""A JSON body's shape, checked on its bytes before it is parsed: the keys of its objects and its runs of items
+read without a callback.
 
 ``json.loads`` holds the GIL for as long as it runs without calling back into Python, and it calls
-back (``service.api.bodies.parse_body``'s hooks) only at a number and at the end of an object. The
-keys of one object are read in one such stretch, and they are the dearest thing it reads: a batch
-whose ``figures`` held 1,000,000 keys (16 MB) took 12-17 s of ``json.loads`` under load (the memo
-and the dict of a million distinct strings; the same million keys of one name took 0.7 s), every
-other request waiting. No object of any body may hold more than ``MAX_OBJECT_KEYS`` keys (a step's
-figures hold the most; every other object is a model of a few dozen fields at most), so a longer
-run of keys is refused here, at numpy's speed, a chunk at a time (the GIL let go between chunks).
+back (``service.api.bodies.parse_body``'s hooks) only at a number and at the end of an object. Two
+things are read between two callbacks, and a body of either held every other request:
 
-A run of keys is the keys read between two braces: all the keys of an object none of whose values
-is an object, else the keys between two of its object values (each of which ends with a callback).
-Arrays, strings and numbers are skipped; a quote is a string's end unless an odd run of
-backslashes precedes it. On malformed JSON the count may be off past the first error, which is
+- keys: the keys of one object are read in one such stretch, and they are the dearest thing it reads:
+  a batch whose ``figures`` held 1,000,000 keys (16 MB) took 12-17 s of ``json.loads`` under load (the
+  memo and the dict of a million distinct strings; the same million keys of one name took 0.7 s). No
+  object of any body may hold more than ``MAX_OBJECT_KEYS`` keys (a step's figures hold the most;
+  every other object is a model of a few dozen fields at most). A run of keys is the keys read between
+  two braces: all the keys of an object none of whose values is an object, else the keys between two of
+  its object values (each of which ends with a callback).
+- quiet items: strings, ``true``/``false``/``null`` and arrays, between two numbers or object ends: a
+  turn whose ``prompt_token_ids`` held 6,000,000 ``true`` (30 MB, within max_body_bytes) held the GIL
+  for its whole parse. They are counted as the commas and ``[`` between two callbacks (an item of an array
+  but its first follows a comma; an array, even an empty one, is a list made), at most ``MAX_QUIET_ITEMS``:
+  a valid body's longest run is a matrix's ``token_entropy`` of empty rows (2 a row, ``bodies.parse_body``
+  scales the limit with max_matrix_rows); anything else holds a few dozen (a run's ``tags``, an object's
+  keys and strings).
+
+Both are refused here (413), at numpy's speed, a chunk at a time (the GIL let go between chunks).
+Strings are skipped (a quote is a string's end unless an odd run of backslashes precedes it); a digit
+outside them is a number's. On malformed JSON the counts may be off past the first error, which is
 where ``json.loads`` stops too.
 """
 
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import numpy as np
 from numpy.typing import NDArray
@@ -28,20 +39,101 @@ from service.errors import TooLarge
 from service.schemas.inputs import MAX_TRAINER_FIGURES
 
 MAX_OBJECT_KEYS = MAX_TRAINER_FIGURES
+# Items read between two callbacks: 65,536 quiet items take ~2-20 ms of json.loads (trues to empty arrays;
+# 10M empty arrays, 30 MB, took 8.7 s under load), and are twice a default matrix's rows of empty token_entropy lists.
+MAX_QUIET_ITEMS = 1 << 16
 CHUNK_BYTES = 1 << 20  # numpy's temporaries stay a few MB; a 32 MB body is 32 steps
-QUOTE, BACKSLASH, COLON, OPEN = (ord(c) for c in '"\\:{')
-_EVENTS = np.zeros(256, dtype=bool)
-_EVENTS[list(b'"{}:')] = True
+QUOTE, BACKSLASH, COLON, OPEN, CLOSE, COMMA, ARRAY = (ord(c) for c in '"\\:{},[')
+KEY, QUIET, CALLBACK = 1, 2, 4  # classes of a byte outside strings: a key's run, a quiet item, a callback
+_CLASSES = np.zeros(256, dtype=np.uint8)
+_CLASSES[list(b"{}:")] |= KEY
+_CLASSES[list(b",[")] |= QUIET
+_CLASSES[list(b"}0123456789")] |= CALLBACK  # an object's end; a digit outside strings is a number's
 _BACKSLASHES = re.compile(rb"\\*")
 MAX_NAMED_CHARS = 100  # a key named in a refusal is cut to this many characters
 
 
-def check_object_keys(raw: bytes, limit: int = MAX_OBJECT_KEYS, chunk_bytes: int = CHUNK_BYTES) -> None:
-    """413 ``too_large`` when an object of the JSON ``raw`` holds more than ``limit`` keys in a run, naming
-    the key it is the value of (``body`` when it is none's)."""
-    kinds, offsets = _tokens(raw, chunk_bytes)
+def check_shape(
+    raw: bytes,
+    max_keys: int = MAX_OBJECT_KEYS,
+    max_quiet_items: int = MAX_QUIET_ITEMS,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> None:
+    """413 ``too_large`` when an object of the JSON ``raw`` holds more than ``max_keys`` keys in a run, or more than
+    ``max_quiet_items`` items are read between two callbacks, naming the key whose value they are in (``body``
+    when none is found).
+
+    Quiet items are counted per block of ``max_quiet_items // 2`` bytes first, with whether a callback lies in
+    the block: a run longer than the limit spans a block without any (a run between callbacks of the same or
+    adjacent blocks holds at most two blocks' bytes), so only the stretches of such blocks whose items add up
+    past the limit are counted item by item (``_check_quiet_run``). A token-id body has none, and costs its
+    keys' scan and a few byte-wise passes.
+    """
+    block = max(1, max_quiet_items // 2)
+    kinds, offsets, has_callback, n_quiet, in_string_at = _scan(raw, block, chunk_bytes)
+    _check_keys(raw, kinds, offsets, max_keys)
+    del kinds, offsets  # a body of 333,333 `{}` holds 666,666 braces: ~6 MB of them
+    edges = np.concatenate(([-1], np.flatnonzero(has_callback), [len(n_quiet)]))  # blocks with a callback, both ends
+    sums = np.concatenate(([0, 0], np.cumsum(n_quiet), [n_quiet.sum()]))  # sums[b + 1]: items in blocks[:b]
+    bounds = sums[edges[1:] + 2] - sums[edges[:-1] + 1]  # items from one callback block to the next, both included
+    for i in np.flatnonzero(bounds > max_quiet_items):
+        first = max(int(edges[i]), 0)
+        stop = min((int(edges[i + 1]) + 1) * block, len(raw))
+        _check_quiet_run(raw, first * block, stop, bool(in_string_at[first]), max_quiet_items, chunk_bytes)
+
+
+def _scan(
+    raw: bytes, block: int, chunk_bytes: int
+) -> tuple[NDArray[np.uint8], NDArray[np.int64], NDArray[np.bool_], NDArray[np.int64], NDArray[np.bool_]]:
+    """The braces and colons of ``raw`` outside its strings (their bytes and offsets), and per block of ``block``
+    bytes: whether a callback lies in it, its quiet items, whether it starts in a string."""
+    n_blocks = -(-len(raw) // block)
+    has_callback = np.zeros(n_blocks, dtype=bool)
+    n_quiet = np.zeros(n_blocks, dtype=np.int64)
+    in_string_at = np.zeros(n_blocks, dtype=bool)  # in a string before the block's first byte
+    key_kinds: list[NDArray[np.uint8]] = [np.zeros(0, dtype=np.uint8)]
+    key_offsets: list[NDArray[np.int64]] = [np.zeros(0, dtype=np.int64)]
+    for start, data, inside, in_string in _chunks(raw, 0, len(raw), False, chunk_bytes):
+        classes = np.take(_CLASSES, data) * ~inside  # [n_bytes] outside strings only
+        keyed = np.flatnonzero(classes & KEY > 0)  # a bool mask: flatnonzero of the uint8 one took 10x longer
+        key_kinds.append(data[keyed])
+        key_offsets.append(keyed + start)
+        firsts = np.arange(-(-start // block) * block, start + len(data), block) - start  # blocks starting here
+        in_string_at[(start + firsts) // block] = np.concatenate(([in_string], inside))[firsts]
+        cuts = np.unique(np.concatenate(([0], firsts)))
+        blocks = (start + cuts) // block
+        has_callback[blocks] |= np.logical_or.reduceat(classes & CALLBACK > 0, cuts)
+        n_quiet[blocks] += np.add.reduceat(classes & QUIET, cuts, dtype=np.int64) // QUIET
+    return np.concatenate(key_kinds), np.concatenate(key_offsets), has_callback, n_quiet, in_string_at
+
+
+def _check_quiet_run(raw: bytes, start: int, stop: int, in_string: bool, limit: int, chunk_bytes: int) -> None:
+    """The quiet items of ``raw[start:stop]`` counted item by item: 413 at the first run of more than ``limit``."""
+    n_quiet = 0  # quiet items since the last callback (of earlier chunks)
+    since, since_in_string = start, in_string  # where that run starts
+    for offset, data, inside, _ in _chunks(raw, start, stop, in_string, chunk_bytes):
+        classes = np.take(_CLASSES, data) * ~inside
+        tokens = np.flatnonzero(classes & (QUIET | CALLBACK) > 0)
+        callbacks = np.flatnonzero(classes[tokens] & CALLBACK)
+        quiet_before = np.concatenate(([0], np.cumsum(classes[tokens] & QUIET > 0)))  # in tokens[:i]
+        edges = np.concatenate(([-1], callbacks, [len(tokens)]))
+        runs = quiet_before[edges[1:]] - quiet_before[edges[:-1] + 1]  # [n_callbacks + 1] items between two
+        runs[0] += n_quiet
+        worst = int(np.argmax(runs))
+        if runs[worst] > limit:
+            if worst > 0:
+                since, since_in_string = offset + int(tokens[callbacks[worst - 1]]) + 1, False
+            end = offset + int(tokens[callbacks[worst]]) if worst < len(callbacks) else offset + len(data)
+            _refuse_quiet(raw, since, end, since_in_string, int(runs[worst]), limit, chunk_bytes)
+        n_quiet = int(runs[-1])
+        if len(callbacks):
+            since, since_in_string = offset + int(tokens[callbacks[-1]]) + 1, False
+
+
+def _check_keys(raw: bytes, kinds: NDArray[np.uint8], offsets: NDArray[np.int64], limit: int) -> None:
+    """The keys check of ``check_shape`` on the braces and colons of ``raw`` (``kinds`` at ``offsets``)."""
     is_colon = kinds == COLON
-    colons_before = np.concatenate(([0], np.cumsum(is_colon)))  # [n_tokens + 1]: colons in tokens[:i]
+    colons_before = np.concatenate(([0], np.cumsum(is_colon, dtype=np.int32)))  # [n_tokens + 1]: colons in tokens[:i]
     edges = np.concatenate(([-1], np.flatnonzero(~is_colon), [len(kinds)]))  # the braces, and both ends
     runs = colons_before[edges[1:]] - colons_before[edges[:-1] + 1]  # [n_braces + 1] keys between two braces
     worst = int(np.argmax(runs))
@@ -65,29 +157,51 @@ def check_object_keys(raw: bytes, limit: int = MAX_OBJECT_KEYS, chunk_bytes: int
     )
 
 
-def _tokens(raw: bytes, chunk_bytes: int) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
-    """The braces and colons of ``raw`` outside its strings: their bytes and their offsets."""
+def _refuse_quiet(
+    raw: bytes, start: int, end: int, in_string: bool, n_items: int, limit: int, chunk_bytes: int
+) -> None:
+    """413 for the run of ``n_items`` quiet items in ``raw[start:end]`` (at least that many: the count stops at the
+    chunk where the run passes the limit), named by the key of the last array opened as a key's value before the
+    run's middle item."""
     kinds: list[NDArray[np.uint8]] = []
     offsets: list[NDArray[np.int64]] = []
-    in_string = 0
-    start = 0
-    while start < len(raw):
-        end = _chunk_end(raw, start + chunk_bytes)
+    for offset, data, inside, _ in _chunks(raw, start, end, in_string, chunk_bytes):
+        tokens = np.flatnonzero(np.take(_CLASSES, data) * ~inside & (QUIET | KEY) > 0)
+        kinds.append(data[tokens])
+        offsets.append(tokens + offset)
+    kind, at = np.concatenate(kinds), np.concatenate(offsets)
+    items = np.flatnonzero((kind == COMMA) | (kind == ARRAY))
+    middle = int(items[len(items) // 2])
+    opened = np.flatnonzero(kind[1:middle] == ARRAY) + 1  # arrays opened before the middle item, after a token
+    opened = opened[kind[opened - 1] == COLON]  # as a key's value (when only blanks lie between)
+    key = None
+    if len(opened):
+        colon, array = int(at[opened[-1] - 1]), int(at[opened[-1]])
+        key = _key_before(raw, colon) if not raw[colon + 1 : array].strip() else None
+    where = repr(key) if key is not None else f"the body from byte {start}"
+    raise TooLarge(
+        f"at most {limit} items (strings, true/false/null, arrays: each comma and [ counts) may follow one another "
+        f"with no number or object end between them, got {n_items} or more in {where}; refused before parsing",
+        field="body" if key is None else key,
+    )
+
+
+def _chunks(
+    raw: bytes, start: int, stop: int, in_string: bool, chunk_bytes: int
+) -> Iterator[tuple[int, NDArray[np.uint8], NDArray[np.bool_], bool]]:
+    """``raw[start:stop]`` (``in_string``: whether ``start`` is in a string) a chunk at a time: its offset, its
+    bytes, which are in a string (an opening quote included, a closing one not) and whether its start is."""
+    while start < stop:
+        end = min(_chunk_end(raw, start + chunk_bytes), stop)
         data = np.frombuffer(raw, dtype=np.uint8, count=end - start, offset=start)
-        events = np.flatnonzero(_EVENTS[data])  # quotes, braces and colons, in or out of strings
-        kind = data[events]
-        quotes = kind == QUOTE
-        quotes[quotes] = ~_escaped(data, events[quotes])
-        inside = (np.cumsum(quotes) + in_string) % 2 == 1  # in a string once a quote opened it (itself included)
-        if len(events):
-            in_string = int(inside[-1])
-        kept = (kind != QUOTE) & ~inside
-        kinds.append(kind[kept])
-        offsets.append(events[kept] + start)
+        quotes = np.flatnonzero(data == QUOTE)
+        quotes = quotes[~_escaped(data, quotes)]
+        lengths = np.diff(np.concatenate(([0], quotes, [len(data)])))
+        states = (np.arange(len(quotes) + 1) + in_string) % 2 == 1  # each quote toggles
+        inside = np.repeat(states, lengths)
+        yield start, data, inside, in_string
+        in_string = bool(states[-1])
         start = end
-    if not kinds:
-        return np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)
-    return np.concatenate(kinds), np.concatenate(offsets)
 
 
 def _chunk_end(raw: bytes, end: int) -> int:
