@@ -13,12 +13,12 @@ things are read between two callbacks, and a body of either held every other req
   two braces: all the keys of an object none of whose values is an object, else the keys between two of
   its object values (each of which ends with a callback).
 - quiet items: strings, ``true``/``false``/``null`` and arrays, between two numbers or object ends: a
-  turn whose ``prompt_token_ids`` held 6,000,000 ``true`` (30 MB, within max_body_bytes) held the GIL
-  for its whole parse. They are counted as the commas and ``[`` between two callbacks (an item of an array
-  but its first follows a comma; an array, even an empty one, is a list made), at most ``MAX_QUIET_ITEMS``:
-  a valid body's longest run is a matrix's ``token_entropy`` of empty rows (2 a row, ``bodies.parse_body``
-  scales the limit with max_matrix_rows); anything else holds a few dozen (a run's ``tags``, an object's
-  keys and strings).
+  turn whose ``prompt_token_ids`` held 10,000,000 empty arrays (30 MB, within max_body_bytes) held the
+  GIL 8.7 s under load, every other request waiting (7M short strings 0.2 s, 6M ``true`` 0.1 s). They
+  are counted as the commas and ``[`` between two callbacks (an item of an array but its first follows
+  a comma; an array, even an empty one, is a list made), at most ``MAX_QUIET_ITEMS``: a valid body's
+  longest run is a matrix's ``token_entropy`` of empty rows (2 a row, ``bodies.parse_body`` scales the
+  limit with max_matrix_rows); anything else holds a few dozen (a new run's 50 tags, an object's keys).
 
 Both are refused here (413), at numpy's speed, a chunk at a time (the GIL let go between chunks).
 Strings are skipped (a quote is a string's end unless an odd run of backslashes precedes it); a digit
@@ -39,8 +39,8 @@ from service.errors import TooLarge
 from service.schemas.inputs import MAX_TRAINER_FIGURES
 
 MAX_OBJECT_KEYS = MAX_TRAINER_FIGURES
-# Items read between two callbacks: 65,536 quiet items take ~2-20 ms of json.loads (trues to empty arrays;
-# 10M empty arrays, 30 MB, took 8.7 s under load), and are twice a default matrix's rows of empty token_entropy lists.
+# Items read between two callbacks: 65,536 take 1-11 ms of json.loads on an idle core (`true` to empty arrays, which
+# count 2 each), twice the items of a default matrix's token_entropy of empty rows.
 MAX_QUIET_ITEMS = 1 << 16
 CHUNK_BYTES = 1 << 20  # numpy's temporaries stay a few MB; a 32 MB body is 32 steps
 QUOTE, BACKSLASH, COLON, OPEN, CLOSE, COMMA, ARRAY = (ord(c) for c in '"\\:{},[')
