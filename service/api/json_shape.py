@@ -196,11 +196,10 @@ def _chunks(
         data = np.frombuffer(raw, dtype=np.uint8, count=end - start, offset=start)
         quotes = np.flatnonzero(data == QUOTE)
         quotes = quotes[~_escaped(data, quotes)]
-        lengths = np.diff(np.concatenate(([0], quotes, [len(data)])))
-        states = (np.arange(len(quotes) + 1) + in_string) % 2 == 1  # each quote toggles
-        inside = np.repeat(states, lengths)
+        lengths = np.diff(np.concatenate(([0], quotes, [len(data)])))  # the stretches between quotes: each toggles
+        inside = np.repeat((np.arange(len(quotes) + 1) + in_string) % 2 == 1, lengths)
         yield start, data, inside, in_string
-        in_string = bool(states[-1])
+        in_string = bool(in_string) != (len(quotes) % 2 == 1)
         start = end
 
 
@@ -216,8 +215,7 @@ def _chunk_end(raw: bytes, end: int) -> int:
 
 def _escaped(data: NDArray[np.uint8], quotes: NDArray[np.intp]) -> NDArray[np.bool_]:
     """Which of the quotes at ``quotes`` (offsets in ``data``) follow an odd run of backslashes."""
-    escaped = quotes > 0
-    escaped[escaped] = data[quotes[escaped] - 1] == BACKSLASH
+    escaped: NDArray[np.bool_] = (data[quotes - 1] == BACKSLASH) & (quotes > 0)  # one at 0 reads the last byte
     if not escaped.any():
         return escaped
     slashes = np.flatnonzero(data == BACKSLASH)
