@@ -43,7 +43,7 @@ MAX_OBJECT_KEYS = MAX_TRAINER_FIGURES
 # count 2 each), twice the items of a default matrix's token_entropy of empty rows.
 MAX_QUIET_ITEMS = 1 << 16
 CHUNK_BYTES = 1 << 20  # numpy's temporaries stay a few MB; a 32 MB body is 32 steps
-QUOTE, BACKSLASH, COLON, OPEN, CLOSE, COMMA, ARRAY = (ord(c) for c in '"\\:{},[')
+QUOTE, BACKSLASH, COLON, OPEN, CLOSE, COMMA, ARRAY, ARRAY_CLOSE = (ord(c) for c in '"\\:{},[]')
 KEY, QUIET, CALLBACK = 1, 2, 4  # classes of a byte outside strings: a key's run, a quiet item, a callback
 _CLASSES = np.zeros(256, dtype=np.uint8)
 _CLASSES[list(b"{}:")] |= KEY
@@ -161,29 +161,45 @@ def _refuse_quiet(
     raw: bytes, start: int, end: int, in_string: bool, n_items: int, limit: int, chunk_bytes: int
 ) -> None:
     """413 for the run of ``n_items`` quiet items in ``raw[start:end]`` (at least that many: the count stops at the
-    chunk where the run passes the limit), named by the key of the last array opened as a key's value before the
-    run's middle item."""
-    kinds: list[NDArray[np.uint8]] = []
-    offsets: list[NDArray[np.int64]] = []
-    for offset, data, inside, _ in _chunks(raw, start, end, in_string, chunk_bytes):
-        tokens = np.flatnonzero(np.take(_CLASSES, data) * ~inside & (QUIET | KEY) > 0)
-        kinds.append(data[tokens])
-        offsets.append(tokens + offset)
-    kind, at = np.concatenate(kinds), np.concatenate(offsets)
-    items = np.flatnonzero((kind == COMMA) | (kind == ARRAY))
-    middle = int(items[len(items) // 2])
-    opened = np.flatnonzero(kind[1:middle] == ARRAY) + 1  # arrays opened before the middle item, after a token
-    opened = opened[kind[opened - 1] == COLON]  # as a key's value (when only blanks lie between)
-    key = None
-    if len(opened):
-        colon, array = int(at[opened[-1] - 1]), int(at[opened[-1]])
-        key = _key_before(raw, colon) if not raw[colon + 1 : array].strip() else None
+    chunk where the run passes the limit), named by the key of the innermost array or object holding its middle
+    item that is a key's value."""
+    offsets = [tokens + offset for offset, tokens, _ in _outside(raw, start, end, in_string, b",[", chunk_bytes)]
+    items = np.concatenate(offsets)
+    key = _enclosing_key(raw, int(items[len(items) // 2]), chunk_bytes)
     where = repr(key) if key is not None else f"the body from byte {start}"
     raise TooLarge(
         f"at most {limit} items (strings, true/false/null, arrays: each comma and [ counts) may follow one another "
         f"with no number or object end between them, got {n_items} or more in {where}; refused before parsing",
         field="body" if key is None else key,
     )
+
+
+def _enclosing_key(raw: bytes, offset: int, chunk_bytes: int) -> str | None:
+    """The key whose value is the innermost array or object of ``raw`` holding the byte at ``offset`` and is a key's
+    value (None: none is)."""
+    parts = [(data[tokens], tokens + at) for at, tokens, data in _outside(raw, 0, offset, False, b"{}[]:", chunk_bytes)]
+    kinds = np.concatenate([kind for kind, _ in parts])
+    offsets = np.concatenate([at for _, at in parts])
+    is_open = (kinds == OPEN) | (kinds == ARRAY)
+    depth = np.cumsum(is_open.astype(np.int64) - ((kinds == CLOSE) | (kinds == ARRAY_CLOSE)))  # after each token
+    still_open = is_open & (np.minimum.accumulate(depth[::-1])[::-1] >= depth)  # never closed before ``offset``
+    containers = np.flatnonzero(still_open[1:] & (kinds[:-1] == COLON)) + 1  # a key's value: a colon before it
+    for container in containers[::-1]:
+        colon = int(offsets[container - 1])
+        if not raw[colon + 1 : int(offsets[container])].strip():  # only blanks between
+            return _key_before(raw, colon)
+    return None
+
+
+def _outside(
+    raw: bytes, start: int, stop: int, in_string: bool, chars: bytes, chunk_bytes: int
+) -> Iterator[tuple[int, NDArray[np.intp], NDArray[np.uint8]]]:
+    """The offsets of ``chars`` outside the strings of ``raw[start:stop]``, a chunk at a time: the chunk's offset,
+    theirs in it, and its bytes."""
+    wanted = np.zeros(256, dtype=bool)
+    wanted[list(chars)] = True
+    for offset, data, inside, _ in _chunks(raw, start, stop, in_string, chunk_bytes):
+        yield offset, np.flatnonzero(np.take(wanted, data) & ~inside), data
 
 
 def _chunks(

@@ -137,6 +137,9 @@ def test_a_run_of_quiet_items_is_refused_naming_the_key_of_its_array(item):
         check_shape(("[1, " + items + ", " + items + "]").encode())
     assert refused.value.field == "body"
     assert "in the body from byte 2;" in refused.value.detail
+    with pytest.raises(TooLarge) as refused:  # the run starts inside the array (after its 1): named all the same
+        check_shape(('{"step": 1, "figures": {"ids": [1, ' + items + ", " + items + "]}}").encode())
+    assert refused.value.field == "ids"
     numbers = ",".join([item + ", 7"] * MAX_QUIET_ITEMS)  # a number between each two: any number of them
     check_shape(('{"prompt_token_ids": [' + numbers + "]}").encode())
 
