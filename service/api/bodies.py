@@ -247,7 +247,11 @@ def parse_body(raw: bytes, model: type[M], limits: IngestLimits) -> M:
     text = checked_text(raw)
     # A matrix's rows of empty token_entropy lists (2 quiet items a row, its columns' empty prompts fewer) are the
     # longest run of quiet items a valid body holds: the limit stays above them where max_matrix_rows is raised.
-    check_shape(raw, max_quiet_items=max(MAX_QUIET_ITEMS, 4 * limits.max_matrix_rows))
+    # A string is read without a callback too (a 30 MB one of `\n` escapes: 0.17 s of json.loads on an idle core);
+    # none may hold more characters than a text (max_text_chars) or a checkpoint's path (4096), 12 bytes each at
+    # most once escaped (a surrogate pair's two \uXXXX for one character), and its quotes.
+    longest_string = 12 * max(limits.max_text_chars, 4096) + 2
+    check_shape(raw, max_quiet_items=max(MAX_QUIET_ITEMS, 4 * limits.max_matrix_rows), max_string_bytes=longest_string)
     try:
         data = json.loads(text, parse_int=shared_ints(), parse_float=_float, object_hook=_object)
     except json.JSONDecodeError as e:

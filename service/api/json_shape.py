@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
@@ -57,11 +58,12 @@ def check_shape(
     raw: bytes,
     max_keys: int = MAX_OBJECT_KEYS,
     max_quiet_items: int = MAX_QUIET_ITEMS,
+    max_string_bytes: int | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> None:
     """413 ``too_large`` when an object of the JSON ``raw`` holds more than ``max_keys`` keys in a run, or more than
-    ``max_quiet_items`` items are read between two callbacks, naming the key whose value they are in (``body``
-    when none is found).
+    ``max_quiet_items`` items are read between two callbacks, or a string is longer than ``max_string_bytes`` (None:
+    any length), naming the key whose value they are in (``body`` when none is found).
 
     Quiet items are counted per block of ``max_quiet_items // 2`` bytes first, with whether a callback lies in
     the block: a run longer than the limit spans a block without any (a run between callbacks of the same or
@@ -70,9 +72,12 @@ def check_shape(
     keys' scan and a few byte-wise passes.
     """
     block = max(1, max_quiet_items // 2)
-    kinds, offsets, has_callback, n_quiet, in_string_at = _scan(raw, block, chunk_bytes)
-    _check_keys(raw, kinds, offsets, max_keys)
-    del kinds, offsets  # a body of 333,333 `{}` holds 666,666 braces: ~6 MB of them
+    scanned = _scan(raw, block, chunk_bytes)
+    _check_keys(raw, scanned.kinds, scanned.offsets, max_keys)
+    if max_string_bytes is not None and scanned.longest_string > max_string_bytes:
+        _refuse_string(raw, scanned.longest_string, scanned.longest_string_at, max_string_bytes, chunk_bytes)
+    has_callback, n_quiet, in_string_at = scanned.has_callback, scanned.n_quiet, scanned.in_string_at
+    del scanned  # a body of 333,333 `{}` holds 666,666 braces: ~6 MB of them
     edges = np.concatenate(([-1], np.flatnonzero(has_callback), [len(n_quiet)]))  # blocks with a callback, both ends
     sums = np.concatenate(([0, 0], np.cumsum(n_quiet), [n_quiet.sum()]))  # sums[b + 1]: items in blocks[:b]
     bounds = sums[edges[1:] + 2] - sums[edges[:-1] + 1]  # items from one callback block to the next, both included
@@ -82,18 +87,37 @@ def check_shape(
         _check_quiet_run(raw, first * block, stop, bool(in_string_at[first]), max_quiet_items, chunk_bytes)
 
 
-def _scan(
-    raw: bytes, block: int, chunk_bytes: int
-) -> tuple[NDArray[np.uint8], NDArray[np.int64], NDArray[np.bool_], NDArray[np.int64], NDArray[np.bool_]]:
-    """The braces and colons of ``raw`` outside its strings (their bytes and offsets), and per block of ``block``
-    bytes: whether a callback lies in it, its quiet items, whether it starts in a string."""
+@dataclass(frozen=True)
+class _Scanned:
+    """What one pass over a body finds: the braces and colons outside its strings (their bytes and offsets); per
+    block of bytes, whether a callback lies in it, its quiet items and whether it starts in a string; its longest
+    string (bytes, quotes included) and where that opens."""
+
+    kinds: NDArray[np.uint8]
+    offsets: NDArray[np.int64]
+    has_callback: NDArray[np.bool_]
+    n_quiet: NDArray[np.int64]
+    in_string_at: NDArray[np.bool_]
+    longest_string: int
+    longest_string_at: int
+
+
+def _scan(raw: bytes, block: int, chunk_bytes: int) -> _Scanned:
+    """``raw`` scanned once, a chunk at a time, in blocks of ``block`` bytes."""
     n_blocks = -(-len(raw) // block)
     has_callback = np.zeros(n_blocks, dtype=bool)
     n_quiet = np.zeros(n_blocks, dtype=np.int64)
     in_string_at = np.zeros(n_blocks, dtype=bool)  # in a string before the block's first byte
     key_kinds: list[NDArray[np.uint8]] = [np.zeros(0, dtype=np.uint8)]
     key_offsets: list[NDArray[np.int64]] = [np.zeros(0, dtype=np.int64)]
-    for start, data, inside, in_string in _chunks(raw, 0, len(raw), False, chunk_bytes):
+    longest, longest_at, open_at = 0, 0, 0  # open_at: where the string open at a chunk's start opened
+    for start, data, inside, in_string, quotes in _chunks(raw, 0, len(raw), False, chunk_bytes):
+        opened = np.array([open_at] if in_string else [], dtype=np.intp)
+        toggles = np.concatenate((opened, quotes + start, [start + len(data) - 1]))
+        lengths = toggles[1::2] - toggles[0:-1:2] + 1  # [n_strings] of the chunk (the last one: so far)
+        if len(lengths) and lengths.max() > longest:
+            longest, longest_at = int(lengths.max()), int(toggles[0:-1:2][np.argmax(lengths)])
+        open_at = int(toggles[-2]) if len(toggles) % 2 == 0 else open_at
         classes = np.take(_CLASSES, data) * ~inside  # [n_bytes] outside strings only
         keyed = np.flatnonzero(classes & KEY > 0)  # a bool mask: flatnonzero of the uint8 one took 10x longer
         key_kinds.append(data[keyed])
@@ -103,15 +127,16 @@ def _scan(
         cuts = np.unique(np.concatenate(([0], firsts)))
         blocks = (start + cuts) // block
         has_callback[blocks] |= np.logical_or.reduceat(classes & CALLBACK > 0, cuts)
-        n_quiet[blocks] += np.add.reduceat(classes & QUIET, cuts, dtype=np.int64) // QUIET
-    return np.concatenate(key_kinds), np.concatenate(key_offsets), has_callback, n_quiet, in_string_at
+        n_quiet[blocks] += [np.count_nonzero(part) for part in np.split(classes & QUIET, cuts[1:])]  # 4x add.reduceat's
+    kinds, offsets = np.concatenate(key_kinds), np.concatenate(key_offsets)
+    return _Scanned(kinds, offsets, has_callback, n_quiet, in_string_at, longest, longest_at)
 
 
 def _check_quiet_run(raw: bytes, start: int, stop: int, in_string: bool, limit: int, chunk_bytes: int) -> None:
     """The quiet items of ``raw[start:stop]`` counted item by item: 413 at the first run of more than ``limit``."""
     n_quiet = 0  # quiet items since the last callback (of earlier chunks)
     since, since_in_string = start, in_string  # where that run starts
-    for offset, data, inside, _ in _chunks(raw, start, stop, in_string, chunk_bytes):
+    for offset, data, inside, _, _ in _chunks(raw, start, stop, in_string, chunk_bytes):
         classes = np.take(_CLASSES, data) * ~inside
         tokens = np.flatnonzero(classes & (QUIET | CALLBACK) > 0)
         callbacks = np.flatnonzero(classes[tokens] & CALLBACK)
@@ -174,6 +199,20 @@ def _refuse_quiet(
     )
 
 
+def _refuse_string(raw: bytes, n_bytes: int, at: int, limit: int, chunk_bytes: int) -> None:
+    """413 for the string of ``n_bytes`` that opens at ``at``, named by the key it is the value of, else by the key of
+    the innermost array or object holding it that is a key's value."""
+    before = raw[:at].rstrip()
+    is_value = before.endswith(b":")
+    key = _key_before(raw, len(before) - 1) if is_value else _enclosing_key(raw, at, chunk_bytes)
+    where = repr(key) if key is not None else f"the body at byte {at}"
+    raise TooLarge(
+        f"a string may be at most {limit} bytes of JSON (the longest text max_text_chars allows, escaped), got "
+        f"{n_bytes} in {where}; refused before parsing",
+        field="body" if key is None else key,
+    )
+
+
 def _enclosing_key(raw: bytes, offset: int, chunk_bytes: int) -> str | None:
     """The key whose value is the innermost array or object of ``raw`` holding the byte at ``offset`` and is a key's
     value (None: none is)."""
@@ -198,15 +237,16 @@ def _outside(
     theirs in it, and its bytes."""
     wanted = np.zeros(256, dtype=bool)
     wanted[list(chars)] = True
-    for offset, data, inside, _ in _chunks(raw, start, stop, in_string, chunk_bytes):
+    for offset, data, inside, _, _ in _chunks(raw, start, stop, in_string, chunk_bytes):
         yield offset, np.flatnonzero(np.take(wanted, data) & ~inside), data
 
 
 def _chunks(
     raw: bytes, start: int, stop: int, in_string: bool, chunk_bytes: int
-) -> Iterator[tuple[int, NDArray[np.uint8], NDArray[np.bool_], bool]]:
+) -> Iterator[tuple[int, NDArray[np.uint8], NDArray[np.bool_], bool, NDArray[np.intp]]]:
     """``raw[start:stop]`` (``in_string``: whether ``start`` is in a string) a chunk at a time: its offset, its
-    bytes, which are in a string (an opening quote included, a closing one not) and whether its start is."""
+    bytes, which are in a string (an opening quote included, a closing one not), whether its start is, and its
+    quotes (their offsets in it, escaped ones left out)."""
     while start < stop:
         end = min(_chunk_end(raw, start + chunk_bytes), stop)
         data = np.frombuffer(raw, dtype=np.uint8, count=end - start, offset=start)
@@ -214,7 +254,7 @@ def _chunks(
         quotes = quotes[~_escaped(data, quotes)]
         lengths = np.diff(np.concatenate(([0], quotes, [len(data)])))  # the stretches between quotes: each toggles
         inside = np.repeat((np.arange(len(quotes) + 1) + in_string) % 2 == 1, lengths)
-        yield start, data, inside, in_string
+        yield start, data, inside, in_string, quotes
         in_string = bool(in_string) != (len(quotes) % 2 == 1)
         start = end
 

@@ -207,6 +207,18 @@ def test_a_run_of_items_with_no_callback_between_them_is_refused_413_naming_its_
             field=field,
         )
         assert rejections(client, "too_large") == before + 1
+    # One string is read without a callback too: past any text max_text_chars allows (12 bytes a character at most,
+    # escaped), it is refused the same way.
+    prompt = json.dumps("\n" * 2_400_001).encode()  # 4,800,004 bytes: 2,400,001 characters
+    batch = b'{"step": 1, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"response": "r", "prompt": '
+    response = client.post("/v1/runs/r/batches", content=batch + prompt + b"}]}]}", headers=JSON)
+    assert response.status_code == 413, response.text[:500]
+    assert response.json() == error_body(
+        "too_large",
+        "a string may be at most 4800002 bytes of JSON (the longest text max_text_chars allows, escaped), got "
+        "4800004 in 'prompt'; refused before parsing",
+        field="prompt",
+    )
     assert count(client, Batch) == 0
     rows = 16_384  # max_matrix_rows: a matrix of empty reasonings, token_entropy's 32,768 items in a run, passes
     matrix = {

@@ -74,9 +74,30 @@ def longest_quiet_run(text: str) -> int:
     return best
 
 
-def refuses(raw: bytes, limit: int, chunk_bytes: int, quiet_limit: int = 1 << 40) -> bool:
+def longest_string(text: str) -> int:
+    """The most bytes of one string, its quotes included, one character at a time."""
+    best = 0
+    opened: int | None = None
+    escaped = False
+    for i, c in enumerate(text.encode()):
+        if opened is not None:
+            if escaped:
+                escaped = False
+            elif c == ord("\\"):
+                escaped = True
+            elif c == ord('"'):
+                best = max(best, i - opened + 1)
+                opened = None
+        elif c == ord('"'):
+            opened = i
+    return best
+
+
+def refuses(
+    raw: bytes, limit: int, chunk_bytes: int, quiet_limit: int = 1 << 40, string_limit: int | None = None
+) -> bool:
     try:
-        check_shape(raw, limit, quiet_limit, chunk_bytes)
+        check_shape(raw, limit, quiet_limit, string_limit, chunk_bytes)
     except TooLarge:
         return True
     return False
@@ -115,6 +136,10 @@ def test_the_longest_quiet_run_is_the_naive_lexers_whatever_the_chunks_and_block
         for chunk_bytes in (5, 64, 1 << 20):
             assert not refuses(raw, 1 << 40, chunk_bytes, n_items), (text, chunk_bytes)  # blocks of n_items // 2
             assert refuses(raw, 1 << 40, chunk_bytes, n_items - 1), (text, chunk_bytes)
+        n_bytes = longest_string(text)
+        for chunk_bytes in (5, 64, 1 << 20):
+            assert not refuses(raw, 1 << 40, chunk_bytes, string_limit=n_bytes), (text, chunk_bytes)
+            assert n_bytes == 0 or refuses(raw, 1 << 40, chunk_bytes, string_limit=n_bytes - 1), (text, chunk_bytes)
 
 
 @pytest.mark.parametrize("item", ["true", "null", '"a"', '"1"', "[]", "NaN"])
@@ -142,6 +167,23 @@ def test_a_run_of_quiet_items_is_refused_naming_the_key_of_its_array(item):
     assert refused.value.field == "ids"
     numbers = ",".join([item + ", 7"] * MAX_QUIET_ITEMS)  # a number between each two: any number of them
     check_shape(('{"prompt_token_ids": [' + numbers + "]}").encode())
+
+
+def test_a_string_past_its_limit_is_refused_naming_its_key_or_the_key_holding_it():
+    text = "\n" * 500  # escaped: 1,002 bytes with its quotes
+    for body, field in [
+        ({"step": 1, "trajectories": [{"turns": [{"prompt": text}]}]}, "prompt"),
+        ({"name": "r", "metadata": {"tags": ["a", text]}}, "tags"),
+        ([text], "body"),
+    ]:
+        raw = json.dumps(body).encode()
+        for chunk_bytes in (64, 1 << 20):  # a string over several chunks, and in one
+            check_shape(raw, max_string_bytes=1002, chunk_bytes=chunk_bytes)
+            with pytest.raises(TooLarge) as refused:
+                check_shape(raw, max_string_bytes=1001, chunk_bytes=chunk_bytes)
+            assert refused.value.field == field
+            assert "a string may be at most 1001 bytes of JSON" in refused.value.detail
+            assert "got 1002 in" in refused.value.detail
 
 
 def test_the_largest_valid_matrix_holds_fewer_quiet_items_than_the_limit():
