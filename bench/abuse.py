@@ -301,6 +301,12 @@ def nested_items(where: str) -> Callable[[int], dict]:
                 b'"prompt_token_ids": [' + quiet + b'], "response": "r"}]}]}',
                 "/v1/runs/r/batches",
             )
+        bodies["long_string"] = (  # items escaped newlines in one prompt: a string is read with no callback either
+            b'{"step": 2, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"response": "r", "prompt": "'
+            + b"\\n" * items
+            + b'"}]}]}',
+            "/v1/runs/r/batches",
+        )
         body, path = bodies[where]
         with server() as srv:
             httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
@@ -1040,6 +1046,13 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
         nested_items("list_empty_lists"),
         [1_000_000, 10_000_000],
         [100_000],
+        None,
+    ),
+    "batch_long_string": (
+        "escaped newlines in one prompt",
+        nested_items("long_string"),
+        [15_000_000],
+        [1_000_000],
         None,
     ),
     # Issue 38, client side (follow and the slime hook; no server).

@@ -9,7 +9,8 @@ keep their declared bodies (the OpenAPI document is FastAPI's own) but wrap Fast
 2. the body is read, and a ``service.api.rate_limit.BodyBudget`` share is held while it is parsed, so that
    concurrent large bodies cannot multiply the memory parsing needs;
 3. in the thread pool: the UTF-8 checks, the body's shape checked on the bytes (``service.api.json_shape``:
-   413 past the keys any object may hold, or past the items that may be read between two callbacks),
+   413 past the keys any object may hold, the items that may be read between two callbacks, or the
+   longest string any field holds),
    ``json.loads`` with a Python callback at every number and object end (so that the parse lets go of
    the GIL between them) and
    the model's validation, with the errors FastAPI itself gives (same 422 locations and messages,
