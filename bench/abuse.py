@@ -294,6 +294,19 @@ def nested_items(where: str) -> Callable[[int], dict]:
                 "/v1/runs/r/batches",
             ),
         }
+        for kind, item in QUIET_ITEMS.items():  # in one turn's prompt_token_ids: refused after the parse (422)
+            quiet = b",".join([item] * items)
+            bodies[f"list_{kind}"] = (
+                b'{"step": 2, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{'
+                b'"prompt_token_ids": [' + quiet + b'], "response": "r"}]}]}',
+                "/v1/runs/r/batches",
+            )
+        bodies["long_string"] = (  # items escaped newlines in one prompt: a string is read with no callback either
+            b'{"step": 2, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"response": "r", "prompt": "'
+            + b"\\n" * items
+            + b'"}]}]}',
+            "/v1/runs/r/batches",
+        )
         body, path = bodies[where]
         with server() as srv:
             httpx.post(srv.base + "/v1/runs", json={"name": "r"}, timeout=60)
@@ -301,6 +314,11 @@ def nested_items(where: str) -> Callable[[int], dict]:
             return refused(srv, path, body)
 
     return measure
+
+
+# Items json.loads reads without calling back into Python (no number, no object end between them): until issue
+# 38 item 2's third round, a run of them held the GIL for its whole parse.
+QUIET_ITEMS = {"trues": b"true", "strings": b'"a"', "empty_lists": b"[]"}
 
 
 def answered(srv: Server, request: Callable[[], httpx.Response]) -> dict:
@@ -1020,6 +1038,23 @@ VECTORS: dict[str, tuple[str, Callable[[int], dict], list[int], list[int], int |
     # of a million small turns (accepted; the parse lets others in at each object's end).
     "trajectory_keys": ("unknown keys", nested_items("trajectory_keys"), [10_000, 1_000_000], [1000, 100_000], None),
     "small_turns": ("small turns", nested_items("small_turns"), [1024, 262_144, 1_048_576], [1024, 102_400], None),
+    # Item 2's third round: a run of items with no callback between them, up to max_body_bytes (30 MB of each).
+    "batch_list_trues": ("true items", nested_items("list_trues"), [1_000_000, 6_000_000], [100_000], None),
+    "batch_list_strings": ("string items", nested_items("list_strings"), [1_000_000, 7_000_000], [100_000], None),
+    "batch_list_empty_lists": (
+        "[] items",
+        nested_items("list_empty_lists"),
+        [1_000_000, 10_000_000],
+        [100_000],
+        None,
+    ),
+    "batch_long_string": (
+        "escaped newlines in one prompt",
+        nested_items("long_string"),
+        [15_000_000],
+        [1_000_000],
+        None,
+    ),
     # Issue 38, client side (follow and the slime hook; no server).
     "follow_nuls": ("MB of NULs", follow_nuls, [64, 512, 2048], [8, 64, 128], None),
     "follow_deep_json": ("levels of nesting", follow_deep_json, [1000, 10_000, 100_000], [1000, 10_000], None),

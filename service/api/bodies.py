@@ -8,9 +8,11 @@ keep their declared bodies (the OpenAPI document is FastAPI's own) but wrap Fast
 1. the route's access dependencies run on the headers alone (401/403 before a byte is read);
 2. the body is read, and a ``service.api.rate_limit.BodyBudget`` share is held while it is parsed, so that
    concurrent large bodies cannot multiply the memory parsing needs;
-3. in the thread pool: the UTF-8 checks, the keys of each object counted on the bytes
-   (``service.api.json_shape``: 413 past what any object may hold), ``json.loads`` with a Python
-   callback at every number and object end (so that the parse lets go of the GIL between them) and
+3. in the thread pool: the UTF-8 checks, the body's shape checked on the bytes (``service.api.json_shape``:
+   413 past the keys any object may hold, the items that may be read between two callbacks, or the
+   longest string any field holds),
+   ``json.loads`` with a Python callback at every number and object end (so that the parse lets go of
+   the GIL between them) and
    the model's validation, with the errors FastAPI itself gives (same 422 locations and messages,
    since it is the same parse);
 4. FastAPI's handler then finds the parsed model in place of the JSON (``ParsedRequest``); its
@@ -39,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import AliasChoices, AliasPath, BaseModel, TypeAdapter, ValidationError
 from starlette.exceptions import HTTPException
 
-from service.api.json_shape import check_object_keys
+from service.api.json_shape import MAX_QUIET_ITEMS, check_shape
 from service.errors import InvalidRequest
 from service.ingest.limits import IngestLimits, check_size
 from service.schemas.inputs import (
@@ -244,7 +246,13 @@ def parse_body(raw: bytes, model: type[M], limits: IngestLimits) -> M:
     and their validated copy are not all held at once. ``check_json_sizes`` first.
     """
     text = checked_text(raw)
-    check_object_keys(raw)
+    # A matrix's rows of empty token_entropy lists (2 quiet items a row, its columns' empty prompts fewer) are the
+    # longest run of quiet items a valid body holds: the limit stays above them where max_matrix_rows is raised.
+    # A string is read without a callback too (a 30 MB one of `\n` escapes: 0.17 s of json.loads on an idle core);
+    # none may hold more characters than a text (max_text_chars) or a checkpoint's path (4096), 12 bytes each at
+    # most once escaped (a surrogate pair's two \uXXXX for one character), and its quotes.
+    longest_string = 12 * max(limits.max_text_chars, 4096) + 2
+    check_shape(raw, max_quiet_items=max(MAX_QUIET_ITEMS, 4 * limits.max_matrix_rows), max_string_bytes=longest_string)
     try:
         data = json.loads(text, parse_int=shared_ints(), parse_float=_float, object_hook=_object)
     except json.JSONDecodeError as e:
@@ -270,8 +278,8 @@ def _float(number: str) -> float:
 
 def _object(value: dict[str, Any]) -> dict[str, Any]:
     """The object as parsed, from Python: a call at each object's end lets other threads in (1M small turns,
-    a valid 16 MB batch, held the GIL ~4 s under load). The keys within one object are bounded before the
-    parse (``check_object_keys``)."""
+    a valid 16 MB batch, held the GIL ~4 s under load). What is read between two callbacks is bounded before
+    the parse (``check_shape``)."""
     return value
 
 

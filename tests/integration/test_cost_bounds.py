@@ -115,13 +115,15 @@ MILLION_IDS_TURN = (
         ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + b",".join([b"{}"] * 4096) + b"]}", 422, 3 * 7),
         # Within every count limit: 4,000 trajectories of 256 empty turns (+2.3 GB and 41-55 s before).
         ("/v1/runs/r/batches", json.dumps({"step": 1, "trajectories": [EMPTY_TURNS] * 4000}).encode(), 422, 256),
-        ("/v1/filter", b'{"rewards": [[' + b",".join([b"true"] * 1_000_000) + b"]]}", 422, 1_000_000),
+        # 1M items with no number between them: refused on the bytes (json_shape), a 422 n_errors=1M after the parse
+        # before (its group of 1M, and the turn's ids below, held json.loads and every other request).
+        ("/v1/filter", b'{"rewards": [[' + b",".join([b"true"] * 1_000_000) + b"]]}", 413, None),
         # 1M keys of one object: refused on the bytes before the parse (json_shape), 422 n_errors=1M before.
         ("/v1/runs", b'{"name": "u", ' + b",".join(b'"k%d": 0' % i for i in range(1_000_000)) + b"}", 413, None),
         # Issue 38: a million bad items nested in one field (11 s and +150 MB; 109 s and +1.25 GB for the ids).
         ("/v1/runs/r/figures", b'{"step": 1, "figures": {' + MILLION_FIGURES + b"}}", 413, None),
         ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [], "figures": {' + MILLION_FIGURES + b"}}", 413, None),
-        ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + MILLION_IDS_TURN + b"]}", 422, 1),
+        ("/v1/runs/r/batches", b'{"step": 1, "trajectories": [' + MILLION_IDS_TURN + b"]}", 413, None),
     ],
     ids=[
         "333333-empty-trajectories",
@@ -182,6 +184,51 @@ def test_an_object_of_more_keys_than_any_may_hold_is_refused_413_naming_it_and_c
     response = client.post("/v1/runs/r/batches", content=raw, headers=JSON)
     assert response.status_code == 202, response.text[:500]
     assert count(client, Batch) == 1
+
+
+def test_a_run_of_items_with_no_callback_between_them_is_refused_413_naming_its_field(client):
+    """Issue 38 item 2: json.loads calls back into Python only at numbers and object ends; 10M empty arrays in one
+    turn's ids (30 MB) held it, and every other request, 8.7 s under load. Such a run is counted on the bytes."""
+    ids = b",".join([b"[]"] * 40_000)  # 80,000 items: a [ and a comma each
+    batch = b'{"step": 1, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"response": "r", '
+    batch += b'"prompt_token_ids": [' + ids + b"]}]}]}"
+    tags = b'{"name": "t", "metadata": {"tags": [' + b",".join([b'"a"'] * 70_000) + b"]}}"
+    for path, raw, field, n_items in [
+        ("/v1/runs/r/batches", batch, "prompt_token_ids", 80_003),
+        ("/v1/runs", tags, "tags", 70_001),
+    ]:
+        before = rejections(client, "too_large")
+        response = client.post(path, content=raw, headers=JSON)
+        assert response.status_code == 413, response.text[:500]
+        assert response.json() == error_body(
+            "too_large",
+            "at most 65536 items (strings, true/false/null, arrays: each comma and [ counts) may follow one another "
+            f"with no number or object end between them, got {n_items} or more in {field!r}; refused before parsing",
+            field=field,
+        )
+        assert rejections(client, "too_large") == before + 1
+    # One string is read without a callback too: past any text max_text_chars allows (12 bytes a character at most,
+    # escaped), it is refused the same way.
+    prompt = json.dumps("\n" * 2_400_001).encode()  # 4,800,004 bytes: 2,400,001 characters
+    batch = b'{"step": 1, "trajectories": [{"group_id": 0, "reward": 0, "turns": [{"response": "r", "prompt": '
+    response = client.post("/v1/runs/r/batches", content=batch + prompt + b"}]}]}", headers=JSON)
+    assert response.status_code == 413, response.text[:500]
+    assert response.json() == error_body(
+        "too_large",
+        "a string may be at most 4800002 bytes of JSON (the longest text max_text_chars allows, escaped), got "
+        "4800004 in 'prompt'; refused before parsing",
+        field="prompt",
+    )
+    assert count(client, Batch) == 0
+    rows = 16_384  # max_matrix_rows: a matrix of empty reasonings, token_entropy's 32,768 items in a run, passes
+    matrix = {
+        "step": 1,
+        "row_group_ids": [r % 2 for r in range(rows)],
+        "reasoning_lengths": [0] * rows,
+        "L_seq": [[-1.0, -2.0]] * rows,
+        "token_entropy": [[]] * rows,
+    }
+    assert client.post("/v1/runs/r/matrices", json=matrix).status_code == 201
 
 
 def test_filter_requests_over_their_group_and_reward_limits_are_refused_413(client):

@@ -118,7 +118,7 @@ def test_batches_with_out_of_range_values_are_refused(client, database_url, body
         (json.dumps(batch()).encode("utf-16"), 400, "body"),
         (b"\xef\xbb\xbf" + json.dumps(batch()).encode(), 400, "body"),
         (b'{"step": 1, "trajectories": "\xff"}', 400, "body"),
-        (b"[" * 100_000 + b"]" * 100_000, 400, "body"),
+        (b"[" * 10_000 + b"]" * 10_000, 400, "body"),  # nested past the recursion limit (65,536 [: 413 too_large)
         (b"", 422, "body"),
         (b"[]", 422, "body"),
         (b'{"step": 1,', 422, "body"),
@@ -210,7 +210,8 @@ def test_a_batch_too_costly_to_score_is_refused_naming_the_limit(database_url, c
     assert "more than max_scoring_cost=10000" in body["detail"]
     # the setting, its value and the batch's cost, for a client to refit the batch to (collapse_monitor.batches)
     assert (body["limit"], body["allowed"]) == ("max_scoring_cost", 10_000)
-    assert f"cost about {body['got']} tokens" in body["detail"] and body["got"] > 10_000
+    assert f"cost about {body['got']} tokens" in body["detail"]
+    assert body["got"] > 10_000
     small = client.post("/v1/runs", json={"name": "s", "sampler": {"num_samples": 2, "samplers": ["first_turn"]}})
     assert small.status_code == 201
     assert client.post("/v1/runs/s/batches", json=batch()).status_code == 202  # fewer rows fit the limit

@@ -1,4 +1,5 @@
-"""The keys of a body's objects counted on its bytes, against a naive lexer, in chunks of every size."""
+"""A body's shape checked on its bytes (the keys of its objects, its runs of quiet items), against a naive lexer,
+in chunks of every size."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 import pytest
 
 from bench.serving import token_ids_body
-from service.api.json_shape import MAX_OBJECT_KEYS, check_object_keys
+from service.api.json_shape import MAX_OBJECT_KEYS, MAX_QUIET_ITEMS, check_shape
 from service.errors import TooLarge
 from service.schemas.inputs import BatchIn, CheckpointIn, FiguresIn, FilterRequest, MatrixBatchIn, RunCreate
+from service.settings import Settings
 
 TRICKY = ["a", '"', "\\", "{", "}", ":", ",", "[", "é", "\\u00e9"]
 
@@ -50,9 +52,52 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
     return {key: random_value(rng, depth + 1) for key in keys}
 
 
-def refuses(raw: bytes, limit: int, chunk_bytes: int) -> bool:
+def longest_quiet_run(text: str) -> int:
+    """The most commas and ``[`` read between two numbers or object ends, one character at a time."""
+    best = run = 0
+    in_string = escaped = False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+        elif c == '"':
+            in_string = True
+        elif c == "}" or c.isdigit():
+            run = 0
+        elif c in ",[":
+            run += 1
+            best = max(best, run)
+    return best
+
+
+def longest_string(text: str) -> int:
+    """The most bytes of one string, its quotes included, one character at a time."""
+    best = 0
+    opened: int | None = None
+    escaped = False
+    for i, c in enumerate(text.encode()):
+        if opened is not None:
+            if escaped:
+                escaped = False
+            elif c == ord("\\"):
+                escaped = True
+            elif c == ord('"'):
+                best = max(best, i - opened + 1)
+                opened = None
+        elif c == ord('"'):
+            opened = i
+    return best
+
+
+def refuses(
+    raw: bytes, limit: int, chunk_bytes: int, quiet_limit: int = 1 << 40, string_limit: int | None = None
+) -> bool:
     try:
-        check_object_keys(raw, limit, chunk_bytes)
+        check_shape(raw, limit, quiet_limit, string_limit, chunk_bytes)
     except TooLarge:
         return True
     return False
@@ -79,11 +124,89 @@ def test_backslash_runs_across_chunks_end_strings_by_their_parity():
             assert not refuses(text.encode(), 3, chunk_bytes), (text, chunk_bytes)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_the_longest_quiet_run_is_the_naive_lexers_whatever_the_chunks_and_blocks(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        value = [random_value(rng) for _ in range(rng.randrange(1, 4))]
+        value += [rng.choice([True, None, "a", []])] * rng.randrange(30)  # a longer run, past several blocks
+        text = json.dumps(value, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        raw = text.encode()
+        n_items = longest_quiet_run(text)
+        for chunk_bytes in (5, 64, 1 << 20):
+            assert not refuses(raw, 1 << 40, chunk_bytes, n_items), (text, chunk_bytes)  # blocks of n_items // 2
+            assert refuses(raw, 1 << 40, chunk_bytes, n_items - 1), (text, chunk_bytes)
+        n_bytes = longest_string(text)
+        for chunk_bytes in (5, 64, 1 << 20):
+            assert not refuses(raw, 1 << 40, chunk_bytes, string_limit=n_bytes), (text, chunk_bytes)
+            assert n_bytes == 0 or refuses(raw, 1 << 40, chunk_bytes, string_limit=n_bytes - 1), (text, chunk_bytes)
+
+
+@pytest.mark.parametrize("item", ["true", "null", '"a"', '"1"', "[]", "NaN"])
+def test_a_run_of_quiet_items_is_refused_naming_the_key_of_its_array(item):
+    """Issue 38 item 2: 10M empty arrays (30 MB) held json.loads, and every other request, 8.7 s under load."""
+    items = ",".join([item] * MAX_QUIET_ITEMS)
+    turn = '{"response": "r", "prompt_token_ids": [' + items + "]}"
+    raw = ('{"step": 1, "trajectories": [{"group_id": 0, "reward": 0, "turns": [' + turn + "]}]}").encode()
+    with pytest.raises(TooLarge) as refused:
+        check_shape(raw)
+    assert refused.value.field == "prompt_token_ids"
+    # The commas between the items and their own [ (or each one's), and the 2 commas and 2 [ after the reward's 0.
+    n_items = MAX_QUIET_ITEMS - 1 + 4 + (MAX_QUIET_ITEMS if item == "[]" else 0)
+    assert refused.value.detail == (
+        f"at most {MAX_QUIET_ITEMS} items (strings, true/false/null, arrays: each comma and [ counts) may follow one "
+        f"another with no number or object end between them, got {n_items} or more in 'prompt_token_ids'; refused "
+        "before parsing"
+    )
+    with pytest.raises(TooLarge) as refused:  # no key: the body, from the last callback
+        check_shape(("[1, " + items + ", " + items + "]").encode())
+    assert refused.value.field == "body"
+    assert "in the body from byte 2;" in refused.value.detail
+    with pytest.raises(TooLarge) as refused:  # the run starts inside the array (after its 1): named all the same
+        check_shape(('{"step": 1, "figures": {"ids": [1, ' + items + ", " + items + "]}}").encode())
+    assert refused.value.field == "ids"
+    numbers = ",".join([item + ", 7"] * MAX_QUIET_ITEMS)  # a number between each two: any number of them
+    check_shape(('{"prompt_token_ids": [' + numbers + "]}").encode())
+
+
+def test_a_string_past_its_limit_is_refused_naming_its_key_or_the_key_holding_it():
+    text = "\n" * 500  # escaped: 1,002 bytes with its quotes
+    for body, field in [
+        ({"step": 1, "trajectories": [{"turns": [{"prompt": text}]}]}, "prompt"),
+        ({"name": "r", "metadata": {"tags": ["a", text]}}, "tags"),
+        ([text], "body"),
+    ]:
+        raw = json.dumps(body).encode()
+        for chunk_bytes in (64, 1 << 20):  # a string over several chunks, and in one
+            check_shape(raw, max_string_bytes=1002, chunk_bytes=chunk_bytes)
+            with pytest.raises(TooLarge) as refused:
+                check_shape(raw, max_string_bytes=1001, chunk_bytes=chunk_bytes)
+            assert refused.value.field == field
+            assert "a string may be at most 1001 bytes of JSON" in refused.value.detail
+            assert "got 1002 in" in refused.value.detail
+
+
+def test_the_largest_valid_matrix_holds_fewer_quiet_items_than_the_limit():
+    """A matrix whose every row's reasoning is empty sends a token_entropy of empty lists, 2 items a row."""
+    rows = Settings().max_matrix_rows
+    matrix = {
+        "step": 1,
+        "row_group_ids": [r % 2 for r in range(rows)],
+        "column_prompt_tokens": [[], []],
+        "reasoning_lengths": [0] * rows,
+        "L_seq": [[-1.0, -2.0]] * rows,
+        "token_entropy": [[]] * rows,
+    }
+    text = json.dumps(matrix)
+    assert longest_quiet_run(text) <= MAX_QUIET_ITEMS // 2 + 10
+    check_shape(text.encode())
+
+
 def test_the_refusal_names_the_key_whose_object_has_too_many_keys():
     figures = {f"f{i}": 1.0 for i in range(MAX_OBJECT_KEYS + 1)}
     raw = json.dumps({"step": 1, "trajectories": [], "figures": figures}).encode()
     with pytest.raises(TooLarge) as refused:
-        check_object_keys(raw)
+        check_shape(raw)
     assert refused.value.field == "figures"
     assert refused.value.detail == (
         f"an object may hold at most {MAX_OBJECT_KEYS} keys (a step's figures hold the most), got "
@@ -97,7 +220,7 @@ def test_the_refusal_names_the_key_whose_object_has_too_many_keys():
         ({"trajectories": [keys]}, "the object opened at byte 18"),
     ]:
         with pytest.raises(TooLarge) as refused:
-            check_object_keys(json.dumps(body).encode())
+            check_shape(json.dumps(body).encode())
         assert refused.value.field == "body"
         assert what in refused.value.detail
 
@@ -106,7 +229,7 @@ def test_the_largest_valid_bodies_the_benchmarks_send_pass():
     turn = {"prompt": "p", "response": "r"}
     turns = {"step": 1, "trajectories": [{"group_id": 0, "reward": 0.0, "turns": [turn] * 256}] * 4096}
     for raw in (token_ids_body(1, 0), json.dumps(turns, separators=(",", ":")).encode()):  # 27 MB, 31 MB
-        check_object_keys(raw)
+        check_shape(raw)
 
 
 @pytest.mark.parametrize("model", [BatchIn, FiguresIn, RunCreate, MatrixBatchIn, FilterRequest, CheckpointIn])
