@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,9 +19,8 @@ from service.settings import Settings
 TRICKY = ["a", '"', "\\", "{", "}", ":", ",", "[", "é", "\\u00e9"]
 
 
-def longest_key_run(text: str) -> int:
-    """The most keys read between two braces, one character at a time (the naive version)."""
-    best = run = 0
+def outside_strings(text: str) -> Iterator[str]:
+    """The characters of JSON ``text`` that are not inside a string (its quotes included), one at a time."""
     in_string = escaped = False
     for c in text:
         if in_string:
@@ -32,12 +32,30 @@ def longest_key_run(text: str) -> int:
                 in_string = False
         elif c == '"':
             in_string = True
-        elif c in "{}":
+        else:
+            yield c
+
+
+def longest_run(text: str, counted: str, ends: Callable[[str], bool]) -> int:
+    """The most ``counted`` characters read between two ``ends`` outside strings (the naive version)."""
+    best = run = 0
+    for c in outside_strings(text):
+        if ends(c):
             run = 0
-        elif c == ":":
+        elif c in counted:
             run += 1
             best = max(best, run)
     return best
+
+
+def longest_key_run(text: str) -> int:
+    """The most keys read between two braces."""
+    return longest_run(text, ":", lambda c: c in "{}")
+
+
+def longest_quiet_run(text: str) -> int:
+    """The most commas and ``[`` read between two numbers or object ends."""
+    return longest_run(text, ",[", lambda c: c == "}" or c.isdigit())
 
 
 def random_value(rng: random.Random, depth: int = 0) -> Any:
@@ -50,28 +68,6 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
         return [random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
     keys = ["".join(rng.choice(TRICKY) for _ in range(rng.randrange(5))) + str(k) for k in range(rng.randrange(12))]
     return {key: random_value(rng, depth + 1) for key in keys}
-
-
-def longest_quiet_run(text: str) -> int:
-    """The most commas and ``[`` read between two numbers or object ends, one character at a time."""
-    best = run = 0
-    in_string = escaped = False
-    for c in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c == "}" or c.isdigit():
-            run = 0
-        elif c in ",[":
-            run += 1
-            best = max(best, run)
-    return best
 
 
 def longest_string(text: str) -> int:
