@@ -282,6 +282,16 @@ class AlertWatch:
         self.run = zoo.run_snapshot("remedy", ("first_turn",), None)
         self.emas: dict[str, Any] = {}
         self.series: dict[str, list[tuple[int, float]]] = {}
+        self.states: list[str] = []  # TemplateCollapse's state after each step's scoring
+
+    def latest(self) -> dict[str, Any]:
+        """The last scored step's first_turn figures the rules read and TemplateCollapse's state then, kept in the
+        step's record line (remedy-on-alert-s0 never fired, and its record could not say what the rule had seen)."""
+        from service.alerts.rules import needed_series
+        from service.schemas.alerts import AlertSettings
+
+        figures = {name: self.series[name][-1][1] for name in needed_series(AlertSettings()) if self.series.get(name)}
+        return {"figures": figures, "template_collapse": self.states[-1] if self.states else None}
 
     def fired(self, step: int, episodes: list[dict[str, Any]], rewards: list[float]) -> bool:
         from service.alerts.rules import evaluate
@@ -295,8 +305,12 @@ class AlertWatch:
         for point in scored.points:
             if point.sampler == "first_turn":
                 self.series.setdefault(point.name, []).append((step, point.value))
-        episodes_ = evaluate("remedy", "first_turn", self.series, AlertSettings())
-        return any(e.rule == "TemplateCollapse" and e.fired_step is not None for e in episodes_)
+        episodes_ = [
+            e for e in evaluate("remedy", "first_turn", self.series, AlertSettings()) if e.rule == "TemplateCollapse"
+        ]
+        now = [e for e in episodes_ if e.last_step == step]
+        self.states.append(now[-1].state if now else "inactive")
+        return any(e.fired_step is not None for e in episodes_)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -379,9 +393,11 @@ def train(args: argparse.Namespace) -> None:
             "elapsed_seconds": round(time.monotonic() - started, 1),
             "episodes": episodes,
         }
-        if watch is not None and not engaged and watch.fired(step, episodes, rewards):
-            engaged = True  # the alert arrived with this step's scoring: the next generation batch is filtered
-            line["alert_fired"] = True
+        if watch is not None and not engaged:
+            if watch.fired(step, episodes, rewards):
+                engaged = True  # the alert arrived with this step's scoring: the next generation batch is filtered
+                line["alert_fired"] = True
+            line["watch"] = watch.latest()
         with path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         log.info(
