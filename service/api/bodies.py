@@ -10,11 +10,9 @@ keep their declared bodies (the OpenAPI document is FastAPI's own) but wrap Fast
    concurrent large bodies cannot multiply the memory parsing needs;
 3. in the thread pool: the UTF-8 checks, the body's shape checked on the bytes (``service.api.json_shape``:
    413 past the keys any object may hold, the items that may be read between two callbacks, or the
-   longest string any field holds),
-   ``json.loads`` with a Python callback at every number and object end (so that the parse lets go of
-   the GIL between them) and
-   the model's validation, with the errors FastAPI itself gives (same 422 locations and messages,
-   since it is the same parse);
+   longest string any field holds), ``json.loads`` with a Python callback at every number and object end
+   (so that the parse lets go of the GIL between them) and the model's validation, with the errors
+   FastAPI itself gives (same 422 locations and messages, since it is the same parse);
 4. FastAPI's handler then finds the parsed model in place of the JSON (``ParsedRequest``); its
    own validation of a model instance returns it as is.
 
