@@ -215,5 +215,7 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
     reason = "body_too_large" if isinstance(error, BodyTooLarge) else code
     request.app.state.monitor.metrics.rejections.labels(reason).inc()
     field = "body" if error.status_code == 400 else None
-    body = {"error": code, "detail": detail, "field": field, "index": None}
+    body: dict[str, object] = {"error": code, "detail": detail, "field": field, "index": None}
+    if isinstance(error, BodyTooLarge):
+        body |= error.limits
     return JSONResponse(body, status_code=error.status_code, headers=error.headers)

@@ -137,7 +137,8 @@ class StepConflict(Conflict):
 @dataclass
 class TooLarge(ClientError):
     """``limit``, ``allowed`` and ``got`` (the setting, its value, what was sent) where a client can act on
-    them: the scoring cost, which a client cannot compute without the run's samplers, is refitted to."""
+    them: the trainer's client refits a batch to the scoring cost (which it cannot compute without the run's
+    samplers) and to each batch limit (which it learns from ``POST /v1/runs`` but may have fitted to before)."""
 
     limit: str | None = None
     allowed: int | None = None

@@ -13,7 +13,7 @@ import math
 import random
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
 # A turn given at the top level of a trajectory (single-turn shorthand) is made of these keys.
@@ -38,8 +38,10 @@ FIGURE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_./:@-]{0,79}$")
 MAX_FIGURES = 256
 MAX_ABS_FIGURE = 1e15
 # Room left in a body for all but its trajectories: the key (at most 200 characters), the step and up to
-# MAX_FIGURES figures (~100 bytes each).
+# MAX_FIGURES figures (~100 bytes each); half a body smaller than twice this.
 HEAD_BYTES = 64 * 1024
+MIN_BODY_BYTES = 1024  # the least max_body_bytes the service may be configured with
+LIMIT_NAMES = ("max_body_bytes", "max_trajectories", "max_turns", "max_text_chars", "max_token_ids")
 
 T = TypeVar("T")
 
@@ -51,8 +53,10 @@ class BatchLimits:
     The service refuses a whole batch past any of them (413); the client fits a step to them instead:
     whole groups past the body's size or trajectory count are left out (``GroupFit``), a text or token-id
     list past its limit, or a trajectory past the body alone, is cut (``shorten``), and readers of long
-    traces cut what one turn or trajectory holds (``prime_rl_traces``). A service configured with
-    smaller limits needs them given here (``Monitor(limits=...)``, ``--max-body-bytes``).
+    traces cut what one turn or trajectory holds (``prime_rl_traces``). A monitor learns the limits its
+    service enforces when it creates its run, and from a 413 naming one (``told``), so a service
+    configured with other limits needs none given; limits given (``Monitor(limits=...)``,
+    ``--max-body-bytes``) are kept where they are smaller than the service's.
     """
 
     max_body_bytes: int = 32 * 1024 * 1024
@@ -62,8 +66,8 @@ class BatchLimits:
     max_token_ids: int = 65_536
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes < 2 * HEAD_BYTES:
-            raise ValueError(f"max_body_bytes must be at least {2 * HEAD_BYTES}, got {self.max_body_bytes}")
+        if self.max_body_bytes < MIN_BODY_BYTES:
+            raise ValueError(f"max_body_bytes must be at least {MIN_BODY_BYTES}, got {self.max_body_bytes}")
         for name in ("max_trajectories", "max_turns", "max_text_chars", "max_token_ids"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -71,7 +75,22 @@ class BatchLimits:
     @property
     def trajectory_bytes(self) -> int:
         """Bytes the trajectories of one body may take: the body less room for its key, step and figures."""
-        return self.max_body_bytes - HEAD_BYTES
+        return self.max_body_bytes - min(HEAD_BYTES, self.max_body_bytes // 2)
+
+    def told(self, service: Any, is_given: bool = True) -> BatchLimits:
+        """These limits with the service's (``service``: the ``limits`` of its answer to ``POST /v1/runs``, or
+        ``{limit: allowed}`` of a 413) put in: where ``is_given``, each only where the service's is smaller
+        (the service's are what it enforces), else in place of the default. Names and values the client does not
+        take (a newer or an older service) leave these as they are."""
+        told = {
+            name: value
+            for name, value in (service.items() if isinstance(service, Mapping) else ())
+            if name in LIMIT_NAMES
+            and type(value) is int  # a bool is no limit
+            and value >= (MIN_BODY_BYTES if name == "max_body_bytes" else 1)
+            and (value < getattr(self, name) or not is_given)
+        }
+        return replace(self, **told) if told else self
 
 
 class GroupFit(Generic[T]):
@@ -433,6 +452,16 @@ def refit(run: str, body: bytes, fraction: float, keys: Sequence[str] = CUT_KEYS
     batch["trajectories"] = [shorten(t, limits) or t for t in batch["trajectories"]]
     batch.pop("idempotency_key", None)
     return _keyed(run, batch["step"], json_bytes(batch), None)
+
+
+def refit_to_limits(run: str, body: bytes, limits: BatchLimits) -> tuple[str, bytes, GroupFit[bytes]]:
+    """A batch's body fitted again to ``limits`` (``encode``), under the key of its new content: a body the
+    service refused for a batch limit it enforces (413), fitted before the client knew it, refitted to it.
+
+    Deterministic, so a refit replayed after a restart is recognised as the same batch.
+    """
+    batch = json.loads(body)
+    return encode(run, batch["step"], batch["trajectories"], None, batch.get("figures"), limits)
 
 
 def _keyed(run: str, step: int, data: bytes, idempotency_key: str | None) -> tuple[str, bytes]:

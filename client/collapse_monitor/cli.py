@@ -26,6 +26,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
@@ -158,19 +159,27 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--settings", help='run settings as JSON, e.g. \'{"schedule": {"every": 5}}\'')
     parser.add_argument("--max-groups", type=int, help="send at most this many prompt groups per step")
     parser.add_argument("--max-rows", type=int, help="send at most this many trajectories per step")
-    parser.add_argument(
+    limits = parser.add_argument_group(
+        "batch limits",
+        "default: the service's own, told when the run is created (until then its defaults: "
+        f"{BatchLimits.max_body_bytes}, {BatchLimits.max_text_chars}, {BatchLimits.max_token_ids}); a limit given "
+        "is kept where it is smaller than the service's",
+    )
+    limits.add_argument(
         "--max-body-bytes",
         type=int,
-        default=BatchLimits.max_body_bytes,
-        help="the service's max_body_bytes, when not its default: a step is read and sent up to it, in whole "
-        f"groups (default {BatchLimits.max_body_bytes})",
+        help="a step is read and sent up to this many bytes a batch, in whole groups",
     )
-    parser.add_argument(
+    limits.add_argument(
         "--max-text-chars",
         type=int,
-        default=BatchLimits.max_text_chars,
-        help="a prompt keeps at most its last this many characters, a response its first (default "
-        f"{BatchLimits.max_text_chars}, the service's max_text_chars; long agent traces: see docs/client.md)",
+        help="a prompt keeps at most its last this many characters, a response its first (long agent traces: "
+        "see docs/client.md)",
+    )
+    limits.add_argument(
+        "--max-token-ids",
+        type=int,
+        help="a prompt's token ids keep at most their last this many, a reasoning's (and its log-probs) their first",
     )
     parser.add_argument("--spool-dir", type=Path, help="where undelivered batches wait (default: user cache)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
@@ -211,15 +220,18 @@ def _reading(args: argparse.Namespace) -> Reading:
             trust_pickle=args.trust_pickle,
             reward_key=args.reward_key,
             decode=tokenizer_decode(args.tokenizer) if args.tokenizer else None,
-            limits=_limits(args),
+            limits=_limits(args) or BatchLimits(),
         )
     except (ValueError, OSError, MissingExtraError) as e:
         raise UsageError(str(e)) from e
 
 
-def _limits(args: argparse.Namespace) -> BatchLimits:
+def _limits(args: argparse.Namespace) -> BatchLimits | None:
+    """The limits given (None: none, the service's are used), the others at their defaults."""
+    given = {name: getattr(args, name) for name in ("max_body_bytes", "max_text_chars", "max_token_ids")}
+    given = {name: value for name, value in given.items() if value is not None}
     try:
-        return BatchLimits(max_body_bytes=args.max_body_bytes, max_text_chars=args.max_text_chars)
+        return BatchLimits(**given) if given else None
     except ValueError as e:
         raise UsageError(str(e)) from e
 
@@ -252,6 +264,7 @@ def _monitor(args: argparse.Namespace) -> Monitor:
 def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
     reading = _reading(args)
     monitor = _monitor(args)
+    reading = replace(reading, limits=monitor.limits)  # the service's, told as the monitor started
     if args.format == "trackio":
         args.file = project_database(str(args.file))
     fmt = file_format(args.file) if args.format == "auto" else args.format

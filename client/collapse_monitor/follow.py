@@ -32,7 +32,7 @@ import stat
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,8 @@ class Follower:
             return []
         record: dict[str, Any] = {"size": size, "mtime_ns": mtime_ns}
         try:
-            batches = read_unit(unit, self.reading)
+            # Read up to the limits the monitor fits to now: the service's once it told them.
+            batches = read_unit(unit, replace(self.reading, limits=self.monitor.limits))
         except UntrustedDumpError:
             raise  # the folder's setting, not this file: follow stops and says how to trust it
         except (DumpError, CompletionFileError, OSError, ValueError, RecursionError, MemoryError) as e:

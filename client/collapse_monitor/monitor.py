@@ -72,14 +72,17 @@ class Monitor:
         run_settings: Further run settings, sent as given: fields newer than this client work too.
         max_groups: Send at most this many prompt groups per step (drawn with ``seed``).
         max_rows: Send at most this many trajectories per step, keeping whole groups.
-        limits: The service's batch limits, when it was configured with other than its defaults: a
-            step past them is sent as the whole groups that fit, the others left out (and counted).
+        limits: Batch limits to fit each step to (``BatchLimits``), kept where smaller than the service's.
+            Default: the service's own, told when the run is created (its defaults until it answers); a
+            batch refused for one it did not tell (413 naming it) is fitted to it and sent again. A step
+            past them is sent as the whole groups that fit, the others left out (and counted).
         seed: Seed of the client-side draw; the same step always keeps the same rows.
         spool_dir: Where batches wait while the service is unreachable; this run uses
             ``spool_dir/run``. Default: ``default_spool_dir()``.
         max_queue: Batches held in memory before they go to the spool.
         max_spool_bytes: Disk the spool may use; beyond it new batches are dropped (and counted).
-        durable: Write every batch to the spool before ``log()`` returns (command-line tools).
+        durable: Write every batch to the spool before ``log()`` returns (command-line tools). The run is
+            created at once (one try, then in the background), so batches are fitted to the limits it tells.
         strict: Raise ``MonitorError`` (and ``TrajectoryError`` from ``log()``) instead of logging.
         enabled: A disabled monitor does nothing: pass ``is_main_process`` on multi-process trainers.
         timeout: Seconds per HTTP request.
@@ -151,7 +154,6 @@ class Monitor:
         }
         self.max_groups = max_groups
         self.max_rows = max_rows
-        self.limits = limits or BatchLimits()
         self.seed = seed
         self.strict = strict
         self.enabled = enabled
@@ -168,6 +170,7 @@ class Monitor:
             max_queue=max_queue,
             max_spool_bytes=max_spool_bytes,
             durable=durable,
+            given_limits=limits,
         )
         self._lock = threading.Lock()
         self._started = False
@@ -178,7 +181,9 @@ class Monitor:
         self._actions: AlertActions | None = None
         self._last_step: int | None = None
         self._exit_hook = functools.partial(_close_at_exit, self)
-        if strict and enabled:
+        # Strict: a run the service refuses raises here. Durable: batches are fitted as they are logged, and files
+        # read to the limits the service tells (``limits``), so the run is created (the limits told) first.
+        if (strict or durable) and enabled:
             try:
                 self._start()
             except MonitorError:
@@ -187,6 +192,12 @@ class Monitor:
 
     def __repr__(self) -> str:
         return f"Monitor(url={self.url!r}, run={self.run!r})"
+
+    @property
+    def limits(self) -> BatchLimits:
+        """The batch limits each step is fitted to now: the service's once it told them (the smaller of each
+        where ``limits`` were given), else those given or the defaults."""
+        return self._sender.limits
 
     def __enter__(self) -> Monitor:
         return self
@@ -240,7 +251,8 @@ class Monitor:
         self, step: int, rows: list[dict[str, Any]], idempotency_key: str | None, figures: Mapping[str, float]
     ) -> tuple[str, bytes]:
         """A batch's key and body, fitted to the service's limits (on the sender's thread; durable: the caller's)."""
-        key, body, fit = encode(self.run, step, rows, idempotency_key, figures, self.limits)
+        limits = self.limits
+        key, body, fit = encode(self.run, step, rows, idempotency_key, figures, limits)
         if fit.n_cut:
             self._sender.count("rows_cut", fit.n_cut)
             logger.warning(
@@ -248,9 +260,9 @@ class Monitor:
                 "limits (%d characters a text, %d ids a list, a trajectory within one batch of %d bytes)",
                 step,
                 fit.n_cut,
-                self.limits.max_text_chars,
-                self.limits.max_token_ids,
-                self.limits.max_body_bytes,
+                limits.max_text_chars,
+                limits.max_token_ids,
+                limits.max_body_bytes,
             )
         if fit.left_out:
             self._sender.count("rows_left_out", sum(fit.left_out.values()))
@@ -259,8 +271,8 @@ class Monitor:
                 "trajectories); a step is scored as one batch, so they are not sent",
                 step,
                 fit.describe_left_out(),
-                self.limits.max_body_bytes,
-                self.limits.max_trajectories,
+                limits.max_body_bytes,
+                limits.max_trajectories,
             )
         return key, body
 
@@ -516,6 +528,8 @@ class Monitor:
                 logger.error("collapse-monitor cannot open its spool at %s: %s", self.spool_folder, e)
             if self.strict:
                 self._create_run_now()
+            elif self._sender.durable:
+                self._sender.create_run()  # one try: the sender thread tries again, after its backoff
             pending = self._sender.spool.pending
             if pending:
                 logger.warning(
@@ -532,6 +546,7 @@ class Monitor:
         outcome = self._sender.transport.post("/v1/runs", self._sender.run_body)
         if outcome.kind != "ok":
             raise MonitorError(f"cannot create run {self.run!r} at {self.url}: {outcome.detail}")
+        self._sender.learn_limits(outcome.answer)
         self._sender.run_ready = True
 
     def _is_active(self, what: str, warn: bool = True) -> bool:

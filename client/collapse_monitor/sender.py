@@ -9,7 +9,11 @@ then memory. Refused requests are moved to the spool's ``rejected/`` folder and 
 dropped silently (of one refused for its size, 413, only the reason is kept). A batch refused for its
 scoring cost (413, ``max_scoring_cost``: the run's samplers and the service's limit, which the client
 cannot know beforehand) is first refitted to the limit the refusal names (``batches.refit``: its
-longest texts and token lists cut) and sent again. Must not import the integrations.
+longest texts and token lists cut) and sent again. The batch limits in force (``limits``) are the
+service's, told when the run is created (the smaller of each where the user gave some); a batch
+refused for one of them (413 naming it: fitted before they were told, by an earlier process, or
+against an older service that does not tell them) is fitted again to the limit named
+(``batches.refit_to_limits``) and sent again. Must not import the integrations.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from collapse_monitor.batches import CUT_KEYS, PROMPT_KEYS, refit
+from collapse_monitor.batches import CUT_KEYS, LIMIT_NAMES, PROMPT_KEYS, BatchLimits, refit, refit_to_limits
 from collapse_monitor.spool import Entry, Spool
-from collapse_monitor.transport import Outcome, Transport, scoring_cost_over
+from collapse_monitor.transport import Outcome, Transport, limit_passed
 
 logger = logging.getLogger("collapse_monitor")
 
@@ -38,6 +42,9 @@ MAX_SERVER_ERRORS = 5
 # later refits cut prompts alone.
 MAX_REFITS = 3
 REFIT_MARGIN = 0.9
+# A batch refused for a batch limit is fitted again at most this many times: once per limit it may pass (each
+# refit fits it to every limit known; a limit the service names lowers the client's for good).
+MAX_LIMIT_REFITS = len(LIMIT_NAMES)
 PATHS = {"batch": "batches", "checkpoint": "checkpoints", "figures": "figures"}  # what each request posts to
 COUNTS = {  # each request's Stats counters when accepted and when refused
     "batch": ("sent", "rejected"),
@@ -68,7 +75,7 @@ class Stats:
     rows_sampled_out: int = 0  # trajectories left out by max_groups / max_rows
     rows_left_out: int = 0  # trajectories left out (whole groups) to fit the service's limits of one batch
     rows_cut: int = 0  # trajectories sent with texts or token lists cut to the service's limits of one batch
-    refitted: int = 0  # batches cut to the scoring cost the service refused them for (413) and sent again
+    refitted: int = 0  # batches refused (413) for their scoring cost or a batch limit, fitted to it and sent again
     server_warnings: int = 0  # warnings the service attached to accepted batches
     read_errors: int = 0  # alerts() / metrics() / run_info() calls that failed
     alert_polls: int = 0  # answered polls of the on_alert watchers
@@ -96,7 +103,8 @@ class Request:
     entry: Entry | None = None  # set while the request lives in the spool
     server_errors: int = 0
     run_missing: int = 0
-    refits: int = 0
+    refits: int = 0  # for the scoring cost
+    limit_refits: int = 0  # for a batch limit
 
     def payload(self, spool: Spool) -> bytes:
         if self.body is None:
@@ -135,10 +143,14 @@ class Sender:
     max_queue: int
     max_spool_bytes: int
     durable: bool
+    given_limits: BatchLimits | None = None  # the user's, if any
     backoff_seconds: float = 0.5
     max_backoff_seconds: float = 30.0
 
     def __post_init__(self) -> None:
+        # The batch limits in force (replaced whole, never changed in place: the training thread reads them
+        # in durable mode): the given or default ones until the service tells its own.
+        self.limits = self.given_limits or BatchLimits()
         self.run_ready = False
         self.failure: str | None = None  # the first error a strict monitor must raise
         self._cond = threading.Condition()
@@ -270,7 +282,7 @@ class Sender:
                 if action == "spill":
                     self.spill()
                 elif not self.run_ready:
-                    self._create_run()
+                    self.create_run()
                 else:
                     assert request is not None
                     self._settle(request, self.transport.post(self._path(request), request.payload(self.spool)))
@@ -307,9 +319,26 @@ class Sender:
     def _path(self, request: Request) -> str:
         return f"/v1/runs/{self.run}/{PATHS[request.kind]}"
 
-    def _create_run(self) -> None:
+    def learn_limits(self, answer: Any) -> None:
+        """Puts in force the batch limits of the service's answer to ``POST /v1/runs`` (its ``limits``; an
+        older service's answer has none, and the limits in force stay)."""
+        told = answer.get("limits") if isinstance(answer, dict) else None
+        if not isinstance(told, dict):
+            return
+        limits = (self.given_limits or BatchLimits()).told(told, is_given=self.given_limits is not None)
+        if limits != self.limits:
+            logger.info("collapse-monitor: batches are fitted to the service's limits: %s", limits)
+        self.limits = limits
+
+    def create_run(self) -> None:
+        """Creates (or attaches to) the run, learning the service's limits; on failure backs off (the thread retries).
+
+        Called by the thread before it sends anything, or once before it starts (a durable monitor, which fits each
+        batch as it is logged)."""
         outcome = self.transport.post("/v1/runs", self.run_body)
         answer = outcome.answer if isinstance(outcome.answer, dict) else {}
+        if outcome.kind == "ok":
+            self.learn_limits(answer)
         if outcome.kind == "ok" or answer.get("error") == "run_conflict":
             if outcome.kind != "ok":
                 # The run exists with other settings: its batches still belong to it (a resumed
@@ -347,14 +376,59 @@ class Sender:
                 logger.error("collapse-monitor: %s; batches stay in %s", message, self.spool.folder)
             self._record_failure(message)
             self._back_off(outcome, at_least=60.0)
-        elif request.kind == "batch" and request.refits < MAX_REFITS and (over := scoring_cost_over(outcome)):
-            self._refit(request, outcome, *over)
+        elif request.kind == "batch" and (passed := limit_passed(outcome)) and self._may_refit(request, passed[0]):
+            limit, allowed, got = passed
+            if limit == "max_scoring_cost":
+                self._refit(request, outcome, got, allowed)
+            else:
+                self._fit_to_limit(request, outcome, limit, allowed, got)
         elif outcome.kind == "retry" and not (outcome.status == 500 and request.server_errors + 1 >= MAX_SERVER_ERRORS):
             if outcome.status == 500:
                 request.server_errors += 1
             self._back_off(outcome)
         else:
             self._refused(request, outcome)
+
+    def _may_refit(self, request: Request, limit: str) -> bool:
+        if limit == "max_scoring_cost":
+            return request.refits < MAX_REFITS
+        return limit in LIMIT_NAMES and request.limit_refits < MAX_LIMIT_REFITS
+
+    def _fit_to_limit(self, request: Request, outcome: Outcome, limit: str, allowed: int, got: int) -> None:
+        """Fits a batch refused for a batch limit to it (and every other limit in force); it is sent again next.
+
+        The limit stays in force for every later batch. A body this client did not write, or one that fitting
+        leaves as it is (nothing left to cut), is refused as it is.
+        """
+        refused = request.describe()
+        request.limit_refits += 1
+        self.limits = self.limits.told({limit: allowed})
+        body = request.payload(self.spool)
+        try:
+            request.key, fitted, fit = refit_to_limits(self.run, body, self.limits)
+        except (ValueError, KeyError, TypeError) as e:  # not a body this client wrote: refused as it is
+            logger.error("collapse-monitor: the %s cannot be fitted to the service's %s: %r", refused, limit, e)
+            self._refused(request, outcome)
+            return
+        if fitted == body:
+            self._refused(request, outcome)
+            return
+        if request.entry is not None:
+            request.entry = self.spool.replace(request.entry, fitted)  # on disk before the refused body is gone
+        request.body = fitted
+        self.count("refitted")
+        self.count("rows_left_out", sum(fit.left_out.values()))
+        logger.warning(
+            "collapse-monitor: the service refused the %s: %s is %d there, the batch had %d; sent again as %s, "
+            "fitted to the service's limits (%s)%s",
+            refused,
+            limit,
+            allowed,
+            got,
+            request.key,
+            ", ".join(f"{name}={getattr(self.limits, name)}" for name in LIMIT_NAMES),
+            f"; {fit.describe_left_out()} left out" if fit.left_out else "",
+        )
 
     def _refit(self, request: Request, outcome: Outcome, cost: int, limit: int) -> None:
         """Cuts a batch refused for its scoring cost to the limit the refusal named; it is sent again next."""

@@ -84,14 +84,15 @@ def classify(response: httpx.Response) -> Outcome:
     return Outcome("refused", status, f"{status}: {detail}", answer=answer)
 
 
-def scoring_cost_over(outcome: Outcome) -> tuple[int, int] | None:
-    """(the batch's scoring cost, the service's max_scoring_cost) of a 413 refusing a batch for its scoring cost:
-    the client cannot know the run's samplers and the service's limit beforehand, and the refusal names both."""
+def limit_passed(outcome: Outcome) -> tuple[str, int, int] | None:
+    """(the setting, its value, what was sent) of a 413 naming the service's limit that a request passed
+    (``limit``, ``allowed``, ``got``): a batch's scoring cost, which the client cannot know beforehand, or a
+    batch limit it fitted the batch to before it knew the service's; None for any other answer."""
     answer = outcome.answer if isinstance(outcome.answer, dict) else {}
-    if outcome.status != 413 or answer.get("limit") != "max_scoring_cost":
+    limit, allowed, got = answer.get("limit"), answer.get("allowed"), answer.get("got")
+    if outcome.status != 413 or not isinstance(limit, str) or not isinstance(allowed, int):
         return None
-    got, allowed = answer.get("got"), answer.get("allowed")
-    return (got, allowed) if isinstance(got, int) and isinstance(allowed, int) else None
+    return (limit, allowed, got) if isinstance(got, int) else None
 
 
 def _detail(answer: Any) -> str:

@@ -15,6 +15,7 @@ from collapse_monitor.batches import (
     encode,
     normalize,
     refit,
+    refit_to_limits,
     sample_indices,
 )
 
@@ -311,3 +312,35 @@ def json_without_key(body: bytes) -> bytes:
     batch = json.loads(body)
     del batch["idempotency_key"]
     return json.dumps(batch, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def test_limits_told_replace_the_defaults_and_lower_only_those_given():
+    told = {"max_body_bytes": 200_000, "max_text_chars": 10**7, "max_turns": 4, "max_scoring_cost": 5, "extra": 1}
+    assert BatchLimits().told(told, is_given=False) == BatchLimits(
+        max_body_bytes=200_000, max_text_chars=10**7, max_turns=4
+    )
+    given = BatchLimits(max_text_chars=100, max_body_bytes=1 << 30)
+    assert given.told(told) == BatchLimits(max_body_bytes=200_000, max_text_chars=100, max_turns=4)
+    # what the client cannot take leaves a limit as it is: not an int, a bool, below what the service allows
+    odd = {"max_turns": True, "max_token_ids": "7", "max_trajectories": 0, "max_body_bytes": 1023}
+    assert BatchLimits().told(odd, is_given=False) == BatchLimits()
+    assert BatchLimits().told(None) == BatchLimits()
+
+
+def test_a_body_too_small_for_the_head_room_keeps_half_of_it_for_trajectories():
+    assert BatchLimits(max_body_bytes=1024).trajectory_bytes == 512
+    assert BatchLimits(max_body_bytes=2 * HEAD_BYTES).trajectory_bytes == HEAD_BYTES
+
+
+def test_a_body_refused_for_a_limit_is_fitted_to_it_again_under_its_new_content_key():
+    rows = normalize([sized(g, k, 1000) for g in range(4) for k in range(2)])
+    _, body, _ = encode("run", 3, rows, idempotency_key="given", figures={"loss": 0.5})
+    limits = BatchLimits(max_text_chars=10, max_trajectories=4)
+    key, fitted, fit = refit_to_limits("run", body, limits)
+    assert (key, fitted) == encode("run", 3, rows, figures={"loss": 0.5}, limits=limits)[:2]
+    batch = json.loads(fitted)
+    assert [t["group_id"] for t in batch["trajectories"]] == [0, 0, 1, 1]
+    assert all(len(t["turns"][0]["response"]) == 10 for t in batch["trajectories"])
+    assert batch["figures"] == {"loss": 0.5}
+    assert fit.left_out == {2: 2, 3: 2}
+    assert refit_to_limits("run", fitted, limits)[1] == fitted  # fitted already: left as it is

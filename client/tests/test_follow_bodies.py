@@ -61,16 +61,15 @@ def groups_step(path: Path, step: int, n_groups: int) -> None:
     path.write_text(json.dumps({"step": step, "trajectories": trajectories}) + "\n")
 
 
+@pytest.mark.parametrize("given", [("--max-body-bytes", str(BODY)), ()])  # or told by the service
 def test_a_step_past_the_body_limit_is_sent_as_the_first_whole_groups_that_fit(
-    small_service: RunningService, run_name: str, tmp_path: Path
+    small_service: RunningService, run_name: str, tmp_path: Path, given: tuple[str, ...]
 ) -> None:
     folder = tmp_path / "rollouts"
     folder.mkdir()
     groups_step(folder / "1.jsonl", 1, 8)
     groups_step(folder / "2.jsonl", 2, 1)
-    code, result, log, _ = follow(
-        small_service.url, folder, run_name, tmp_path / "spool", "--max-body-bytes", str(BODY)
-    )
+    code, result, log, _ = follow(small_service.url, folder, run_name, tmp_path / "spool", *given)
     assert code == 0, log
     assert result["steps"] == [1, 2]
     assert result["stats"]["rejected"] == 0
@@ -84,17 +83,18 @@ def test_a_step_past_the_body_limit_is_sent_as_the_first_whole_groups_that_fit(
 
 
 def test_a_body_the_service_refuses_for_its_size_keeps_its_reason_not_its_body(
-    small_service: RunningService, run_name: str, tmp_path: Path
+    small_service: RunningService, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    folder = tmp_path / "rollouts"
-    folder.mkdir()
-    groups_step(folder / "1.jsonl", 1, 8)  # within the client's default limit (32 MiB), past this service's
-    groups_step(folder / "2.jsonl", 2, 1)
-    code, result, log, _ = follow(small_service.url, folder, run_name, tmp_path / "spool")
-    assert code == 1
-    assert result["steps"] == [1, 2]
-    assert (result["stats"]["sent"], result["stats"]["rejected"]) == (1, 1)
-    assert "413" in log
+    # A field the client does not know is passed through, never cut: a trajectory past one body alone is sent as
+    # it is, fitting it again to the limit its 413 names leaves it so, and it is refused for good (a body that can
+    # be cut is fitted and taken: test_service_limits.py).
+    monitor = Monitor(small_service.url, run_name, spool_dir=tmp_path / "spool")
+    monitor.log(1, [{"group_id": 0, "reward": 1.0, "prompt": "p", "response": "r", "note": "n" * 300_000}])
+    monitor.log(2, [{"group_id": 0, "reward": 1.0, "prompt": "p", "response": "r"}])
+    assert monitor.close(60)
+    stats = monitor.stats()
+    assert (stats.sent, stats.rejected) == (1, 1)
+    assert "413" in caplog.text
     [reason] = (tmp_path / "spool" / run_name / "rejected").iterdir()
     assert reason.name.endswith("-batch-1.error.json")
     refused = json.loads(reason.read_text())

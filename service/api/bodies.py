@@ -124,7 +124,14 @@ def check_rewards(data: dict[str, Any], limits: IngestLimits) -> None:
     are not numbers (1,000,000 ``true`` made pydantic build 10^6 errors: 1.9 GB, 10-30 s)."""
     groups = [g for g in data.get("rewards") or () if isinstance(g, list)]
     n_rewards = sum(len(g) for g in groups)
-    check_size(n_rewards, limits.max_filter_rewards, "a filter request", "rewards (max_filter_rewards)", "rewards")
+    check_size(
+        n_rewards,
+        limits.max_filter_rewards,
+        "a filter request",
+        "rewards (max_filter_rewards)",
+        "rewards",
+        setting="max_filter_rewards",
+    )
     listed: list[dict[str, Any]] = []
     n_bad = 0
     for i, group in enumerate(groups):
@@ -180,7 +187,7 @@ def check_json_sizes(data: Any, model: type[BaseModel], limits: IngestLimits) ->
     for size in BODY_SIZES.get(model, ()):
         value = data.get(size.field)
         if isinstance(value, list):
-            check_size(len(value), getattr(limits, size.limit), size.what, size.unit, size.field)
+            check_size(len(value), getattr(limits, size.limit), size.what, size.unit, size.field, setting=size.limit)
     nested = NESTED_CHECKS.get(model)
     if nested is not None:
         nested(data, limits)

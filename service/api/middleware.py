@@ -180,7 +180,8 @@ class BodyLimit(HttpOnly):
         await self.app(scope, counted, send)
 
     async def _refuse(self, scope: Scope, send: Send, size: int) -> None:
-        error = TooLarge(f"request bodies may hold at most {self.limit} bytes, got {size}")
+        detail = f"request bodies may hold at most {self.limit} bytes, got {size}"
+        error = TooLarge(detail, limit="max_body_bytes", allowed=self.limit, got=size)
         await refuse(scope, send, error, "body_too_large")
 
 
@@ -191,6 +192,7 @@ class BodyTooLarge(HTTPException):
         super().__init__(
             status_code=413, detail=f"request bodies may hold at most {limit} bytes, got more than {size - 1}"
         )
+        self.limits = {"limit": "max_body_bytes", "allowed": limit, "got": size}  # as TooLarge words them
 
 
 async def _drain() -> MutableMapping[str, Any]:

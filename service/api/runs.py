@@ -27,12 +27,14 @@ from service.schemas.inputs import (
     INT32_MAX,
     BatchAccepted,
     BatchIn,
+    BatchLimits,
     CheckpointIn,
     CheckpointResponse,
     FiguresAccepted,
     FiguresIn,
     MatrixBatchIn,
     RunCreate,
+    RunCreated,
     RunResponse,
 )
 from service.schemas.reads import MetricSeries
@@ -73,13 +75,15 @@ BATCH_EXAMPLE = {
     responses={200: {"description": "The run already existed"}},
     dependencies=[WritesSomeRun],
 )
-def create_run(state: State, access: Caller, body: RunCreate, response: Response) -> RunResponse:
-    """Creates a run, or returns it when one with this name and the same settings exists."""
+def create_run(state: State, access: Caller, body: RunCreate, response: Response) -> RunCreated:
+    """Creates a run, or returns it when one with this name and the same settings exists; either way with the
+    service's batch limits, which the trainer's client fits its batches to."""
     token = access.write(body.name, field="name")
     run, created = runs.create_run(state.sessions, state.settings, body, token)
     if not created:
         response.status_code = status.HTTP_200_OK
-    return run
+    limits = BatchLimits(**{name: getattr(state.settings, name) for name in BatchLimits.model_fields})
+    return RunCreated(**run.model_dump(), limits=limits)
 
 
 @router.get("", dependencies=[ReadsAll], responses={404: {"description": "`after` names no run"}})

@@ -80,7 +80,14 @@ def snr_filter(state: State, body: FilterRequest) -> FilterResponse:
     A def handler: the work (linear in the rewards) runs in the thread pool, not on the event loop.
     """
     limit = state.ingest_limits.max_filter_groups
-    check_size(len(body.rewards), limit, "a filter request", "groups (max_filter_groups)", "rewards")
+    check_size(
+        len(body.rewards),
+        limit,
+        "a filter request",
+        "groups (max_filter_groups)",
+        "rewards",
+        setting="max_filter_groups",
+    )
     # max_filter_rewards: checked on the JSON, before validation (service.api.bodies.check_rewards)
     result = filter_groups(body.rewards, body.filter_config())
     return FilterResponse(**vars(result))

@@ -50,20 +50,28 @@ class IngestLimits:
 
 
 def check_batch_limits(payload: BatchIn, limits: IngestLimits) -> None:
-    """413 for batches over the configured sizes; every oversized field is named, none is truncated."""
-    check_size(len(payload.trajectories), limits.max_trajectories, "a batch", "trajectories", "trajectories")
+    """413 for a batch over the configured sizes, naming the first field past its limit and the setting
+    (``limit``, ``allowed``, ``got``: a client refits the batch to it); nothing is truncated."""
+    n_trajectories = len(payload.trajectories)
+    check_size(
+        n_trajectories, limits.max_trajectories, "a batch", "trajectories", "trajectories", setting="max_trajectories"
+    )
     for t, trajectory in enumerate(payload.trajectories):
-        check_size(len(trajectory.turns), limits.max_turns, "a trajectory", "turns", f"trajectories[{t}].turns", t)
+        where = f"trajectories[{t}]"
+        check_size(
+            len(trajectory.turns), limits.max_turns, "a trajectory", "turns", f"{where}.turns", t, setting="max_turns"
+        )
         for k, turn in enumerate(trajectory.turns):
-            where = f"trajectories[{t}].turns[{k}]"
             for name in ("prompt", "response", "reasoning"):
                 text = getattr(turn, name)
                 if text is not None:
-                    check_size(len(text), limits.max_text_chars, name, "characters", f"{where}.{name}", t)
+                    field = f"{where}.turns[{k}].{name}"
+                    check_size(len(text), limits.max_text_chars, name, "characters", field, t, setting="max_text_chars")
             for name in ("prompt_token_ids", "reasoning_token_ids"):
                 ids = getattr(turn, name)
                 if ids is not None:
-                    check_size(len(ids), limits.max_token_ids, name, "token ids", f"{where}.{name}", t)
+                    field = f"{where}.turns[{k}].{name}"
+                    check_size(len(ids), limits.max_token_ids, name, "token ids", field, t, setting="max_token_ids")
 
 
 def store_payload(session: Session, run_id: int, n_bytes: int, max_stored_bytes: int) -> None:
@@ -87,9 +95,14 @@ def store_payload(session: Session, run_id: int, n_bytes: int, max_stored_bytes:
         )
 
 
-def check_size(size: int, limit: int, what: str, unit: str, field: str, index: int | None = None) -> None:
+def check_size(
+    size: int, limit: int, what: str, unit: str, field: str, index: int | None = None, *, setting: str | None = None
+) -> None:
+    """413 when ``size`` passes ``limit``; ``setting`` (the Settings field of the limit) goes into the answer's
+    ``limit``, with ``allowed`` and ``got``, where a client can act on it."""
     if size > limit:
-        raise TooLarge(f"{what} may hold at most {limit} {unit}, got {size}", field=field, index=index)
+        detail = f"{what} may hold at most {limit} {unit}, got {size}"
+        raise TooLarge(detail, field=field, index=index, limit=setting, allowed=limit, got=size)
 
 
 def check_groups(payload: BatchIn) -> None:

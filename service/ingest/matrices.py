@@ -34,10 +34,26 @@ from service.storage.tables import Batch
 def check_matrix_limits(payload: MatrixBatchIn, limits: IngestLimits) -> None:
     """413 for a matrix over its row, column or cell limits, before any numerical work on it."""
     n_rows = len(payload.row_group_ids)
-    check_size(n_rows, limits.max_matrix_rows, "a matrix", "rows (max_matrix_rows)", "row_group_ids")
+    check_size(
+        n_rows, limits.max_matrix_rows, "a matrix", "rows (max_matrix_rows)", "row_group_ids", setting="max_matrix_rows"
+    )
     n_columns = len(set(payload.row_group_ids))
-    check_size(n_columns, limits.max_matrix_columns, "a matrix", "columns (max_matrix_columns)", "row_group_ids")
-    check_size(n_rows * n_columns, limits.max_matrix_cells, "a matrix", "cells (max_matrix_cells)", "L_seq")
+    check_size(
+        n_columns,
+        limits.max_matrix_columns,
+        "a matrix",
+        "columns (max_matrix_columns)",
+        "row_group_ids",
+        setting="max_matrix_columns",
+    )
+    check_size(
+        n_rows * n_columns,
+        limits.max_matrix_cells,
+        "a matrix",
+        "cells (max_matrix_cells)",
+        "L_seq",
+        setting="max_matrix_cells",
+    )
 
 
 MATRIX_ATTEMPTS = 3  # scorings of one matrix against an EMA state that concurrent uploads keep moving

@@ -312,6 +312,26 @@ class RunResponse(RunCreate):
     )
 
 
+class BatchLimits(BaseModel):
+    """What one batch may hold on this service: its settings of these names (docs/settings.md says what each
+    means). Past any of them a batch is refused 413, naming it; a client fits each step to them instead."""
+
+    max_body_bytes: int = Field(description="Bytes of one request body.")
+    max_trajectories: int = Field(description="Trajectories of one batch.")
+    max_turns: int = Field(description="Turns of one trajectory.")
+    max_text_chars: int = Field(description="Characters of one prompt, response or reasoning text.")
+    max_token_ids: int = Field(description="Token ids of one prompt_token_ids or reasoning_token_ids list.")
+
+
+class RunCreated(RunResponse):
+    """The answer to ``POST /v1/runs``: the run, and what one batch of it may hold."""
+
+    limits: BatchLimits = Field(
+        description="The service's batch limits, read from its settings: a client fits its batches to them "
+        "without being told them by hand."
+    )
+
+
 class TurnWithEntropy(TurnIn):
     token_entropies: list[Annotated[float, Field(ge=0, le=1e3, allow_inf_nan=False)]] | None = Field(
         None, description="Per-token entropies the trainer already computed for this turn's response (nats)."

@@ -151,8 +151,40 @@ def test_batches_over_the_limits_are_413_and_write_nothing(paused, database_url)
     assert too_many.status_code == 413
     assert too_many.json() == error_body(
         "too_large", "a batch may hold at most 20 trajectories, got 21", field="trajectories"
-    )
+    ) | {"limit": "max_trajectories", "allowed": 20, "got": 21}
     assert row_count(database_url, Batch) == 0
+
+
+def test_a_run_is_answered_with_the_batch_limits_its_service_enforces(database_url, client_for):
+    client = client_for(database_url, scoring_paused=True, max_text_chars=50, max_token_ids=7, max_body_bytes=200_000)
+    limits = {
+        "max_body_bytes": 200_000,
+        "max_trajectories": 4096,
+        "max_turns": 256,
+        "max_text_chars": 50,
+        "max_token_ids": 7,
+    }
+    assert client.post("/v1/runs", json={"name": "r"}).json()["limits"] == limits  # created
+    assert client.post("/v1/runs", json={"name": "r"}).json()["limits"] == limits  # attached
+    long_text = [{"group_id": 0, "reward": 1.0, "turns": [{"prompt": "p" * 51, "response": "r"}]}]
+    refused = client.post("/v1/runs/r/batches", json={"step": 1, "trajectories": long_text})
+    assert refused.status_code == 413
+    assert refused.json() == {
+        "error": "too_large",
+        "detail": "prompt may hold at most 50 characters, got 51",
+        "field": "trajectories[0].turns[0].prompt",
+        "index": 0,
+        "limit": "max_text_chars",
+        "allowed": 50,
+        "got": 51,
+    }
+    ids = [{"group_id": 0, "reward": 1.0, "turns": [{"prompt_token_ids": [1] * 8, "reasoning_token_ids": [2]}]}]
+    refused = client.post("/v1/runs/r/batches", json={"step": 1, "trajectories": ids})
+    assert {k: refused.json()[k] for k in ("limit", "allowed", "got")} == {
+        "limit": "max_token_ids",
+        "allowed": 7,
+        "got": 8,
+    }
 
 
 def test_bodies_over_the_byte_limit_are_413_declared_or_streamed(database_url, client_for):
@@ -161,7 +193,11 @@ def test_bodies_over_the_byte_limit_are_413_declared_or_streamed(database_url, c
     big = json.dumps({"step": 1, "trajectories": trajectories(n_groups=4)}).encode()
     declared = client.post("/v1/runs/demo/batches", content=big, headers={"content-type": "application/json"})
     assert declared.status_code == 413
-    assert declared.json()["error"] == "too_large"
+    assert declared.json() == error_body("too_large", f"request bodies may hold at most 2048 bytes, got {len(big)}") | {
+        "limit": "max_body_bytes",
+        "allowed": 2048,
+        "got": len(big),
+    }
 
     def chunks():
         for i in range(0, len(big), 500):
@@ -170,6 +206,7 @@ def test_bodies_over_the_byte_limit_are_413_declared_or_streamed(database_url, c
     streamed = client.post("/v1/runs/demo/batches", content=chunks(), headers={"content-type": "application/json"})
     assert streamed.status_code == 413
     assert streamed.json()["detail"].startswith("request bodies may hold at most 2048 bytes")
+    assert (streamed.json()["limit"], streamed.json()["allowed"]) == ("max_body_bytes", 2048)
     assert row_count(database_url, Batch) == 0
 
 

@@ -51,7 +51,7 @@ def test_a_matrix_of_200000_rows_is_refused_413_naming_the_row_limit(client):
     assert response.status_code == 413
     assert response.json() == error_body(
         "too_large", "a matrix may hold at most 16384 rows (max_matrix_rows), got 200000", field="row_group_ids"
-    )
+    ) | {"limit": "max_matrix_rows", "allowed": 16384, "got": 200000}
     assert rejections(client, "too_large") == before + 1
     assert count(client, Batch) == 0
 
@@ -237,7 +237,7 @@ def test_filter_requests_over_their_group_and_reward_limits_are_refused_413(clie
     assert response.status_code == 413
     assert response.json() == error_body(
         "too_large", "a filter request may hold at most 10000 groups (max_filter_groups), got 200000", field="rewards"
-    )
+    ) | {"limit": "max_filter_groups", "allowed": 10000, "got": 200000}
     wide = {"rewards": [[0.5] * 200_000] * 6}  # few groups, 1.2M rewards
     response = client.post("/v1/filter", content=json.dumps(wide).encode(), headers=JSON)
     assert response.status_code == 413
