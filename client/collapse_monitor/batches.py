@@ -421,13 +421,20 @@ def _cap(sizes: list[int], budget: float) -> int:
 MAX_CUTS = 4
 
 
-def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, bool]:
-    """The trajectory's JSON in a body, and whether it was cut: its first ``max_turns`` turns, its texts and token
-    lists within their limits and, past the body alone, cut further (``caps``) until it fits."""
+def within_limits(trajectory: Mapping[str, Any], limits: BatchLimits) -> Mapping[str, Any]:
+    """The trajectory with its first ``max_turns`` turns and its texts and token lists cut to their limits
+    (``shorten``); itself when none is past them. ``encode`` sends each trajectory so, and readers of step files
+    keep each so (``dumps``), so that they size it as it will be sent."""
     current: Mapping[str, Any] = trajectory
     if len(trajectory["turns"]) > limits.max_turns:
         current = {**trajectory, "turns": trajectory["turns"][: limits.max_turns]}
-    current = shorten(current, limit_caps(limits)) or current
+    return shorten(current, limit_caps(limits)) or current
+
+
+def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, bool]:
+    """The trajectory's JSON in a body, and whether it was cut: ``within_limits`` and, past the body alone, cut
+    further (``caps``) until it fits."""
+    current = within_limits(trajectory, limits)
     piece = json_bytes(current)
     for _ in range(MAX_CUTS):
         if len(piece) + 1 <= limits.trajectory_bytes:
