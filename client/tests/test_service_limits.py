@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from bench.serving import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from running_service import RunningService
 
 from collapse_monitor import BatchLimits, Monitor
@@ -46,6 +47,16 @@ def step_past_every_limit(n_turns: int = 6, n_chars: int = 2500, n_ids: int = 30
         for g in range(8)
         for k in range(4)
     ]
+
+
+def refusals_413(service: RunningService) -> float:
+    """The 413s the service has answered so far, on any route (its ``/metrics``)."""
+    [requests] = [
+        f
+        for f in text_string_to_metric_families(httpx.get(f"{service.url}/metrics").text)
+        if f.name == ("collapse_monitor_requests")
+    ]
+    return sum(sample.value for sample in requests.samples if sample.labels.get("status") == "413")
 
 
 def follow_once(service: RunningService, folder: Path, run: str, spool: Path, *given: str) -> dict[str, Any]:
@@ -104,8 +115,8 @@ def test_limits_given_are_kept_where_smaller_and_lowered_to_the_services_elsewhe
     assert max(len(t["turns"][0].get("reasoning_token_ids", [])) for t in stored["trajectories"]) == 20
 
 
-def test_steps_spooled_before_the_service_answered_are_fitted_to_its_413_and_delivered(
-    small: RunningService, run_name: str, tmp_path: Path
+def test_steps_spooled_before_the_service_answered_are_fitted_to_its_limits_before_they_are_sent(
+    small: RunningService, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The trainer started while the service was down: its steps were fitted to the defaults and spooled.
     down = Monitor(f"http://127.0.0.1:{free_port()}", run_name, spool_dir=tmp_path, timeout=2, durable=True)
@@ -117,11 +128,15 @@ def test_steps_spooled_before_the_service_answered_are_fitted_to_its_413_and_del
     assert [p.name for p in spooled] == ["000000000000-batch-1.json", "000000000001-batch-2.json"]
     assert all(p.stat().st_size > LIMITS.max_body_bytes for p in spooled)
 
+    refused_before = refusals_413(small)
     restarted = Monitor(small.url, run_name, spool_dir=tmp_path)
     restarted.log(3, step_past_every_limit())
     assert restarted.close(60)
     stats = restarted.stats()
     assert (stats.sent, stats.rejected, stats.refitted) == (3, 0, 2)  # the spooled ones refitted once each
+    # ... before they were sent: the limits told with the run say the spooled bodies are past max_body_bytes
+    assert refusals_413(small) == refused_before
+    assert caplog.text.count("past the service's max_body_bytes=200000; sent as") == 2
     assert [step for step, _ in small.batches(run_name)] == [1, 2, 3]
     for stored in small.payloads(run_name):
         assert_within(stored, LIMITS)
