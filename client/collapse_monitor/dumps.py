@@ -113,8 +113,9 @@ def batches_of(
     render: Render | None = None,
     limits: BatchLimits | None = None,
     total_bytes: int | None = None,
-) -> dict[int, list[Any]]:
-    """Trajectories per step, steps in order of first appearance (see the module docstring).
+) -> dict[int, GroupFit[Any]]:
+    """Trajectories per step (``GroupFit.items()``, with what was cut and left out), steps in order of first
+    appearance (see the module docstring).
 
     ``rows``: (line number, object, its bytes). ``step`` fills in rows without one; ``render`` turns a
     conversation into prompt text (ROLL's ``messages``, prime-rl's conversations; default
@@ -169,7 +170,7 @@ def batches_of(
                 limits.max_body_bytes,
                 limits.max_trajectories,
             )
-    return {row_step: fit.items() for row_step, fit in fits.items()}
+    return fits
 
 
 def _row_trajectories(

@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -175,12 +175,15 @@ class Sender:
         self._thread = threading.Thread(target=self._loop, name=f"collapse-monitor-{self.run}", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request, rows_sampled_out: int = 0) -> None:
-        """Queues a request; never blocks on the network (spills to disk when the queue is full)."""
+    def submit(self, request: Request, rows: Mapping[str, int] | None = None) -> None:
+        """Queues a request; never blocks on the network (spills to disk when the queue is full).
+
+        ``rows``: a batch's row counters to add (``rows_sampled_out``, ``rows_cut``, ``rows_left_out``)."""
         with self._cond:
             if request.kind == "batch":
                 self._counts.add("logged")
-                self._counts.add("rows_sampled_out", rows_sampled_out)
+                for name, n in (rows or {}).items():
+                    self._counts.add(name, n)
             if not self.durable and len(self._memory) < self.max_queue:
                 self._memory.append(request)
                 self._cond.notify_all()

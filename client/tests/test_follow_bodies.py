@@ -183,7 +183,8 @@ def test_a_verl_step_file_is_read_a_row_at_a_time_holding_about_one_body() -> No
     limits = BatchLimits(max_body_bytes=BODY)
     tracemalloc.start()
     try:
-        [(step, kept)] = batches_of(rows(), "3.jsonl", limits=limits).items()
+        [(step, fit)] = batches_of(rows(), "3.jsonl", limits=limits).items()
+        kept = fit.items()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -201,7 +202,7 @@ def test_a_step_of_long_prompts_holds_them_cut_as_sent_and_as_many_whole_groups_
             yield i + 1, {"step": 1, "prompt": f"prompt {i // 4} " + "q" * 5000, "response": "a" * 3000}, 8_000
 
     limits = BatchLimits(max_body_bytes=BODY, max_text_chars=2000)
-    [(_, kept)] = batches_of(rows(), "1.jsonl", limits=limits).items()
+    [kept] = [fit.items() for fit in batches_of(rows(), "1.jsonl", limits=limits).values()]
     assert all(len(t["prompt"]) == len(t["response"]) == 2000 for t in kept)
     group_ids = [row["group_id"] for row in normalize(kept)]
     assert group_ids == [i // 4 for i in range(len(kept))]  # groups kept whole and apart
