@@ -228,7 +228,10 @@ def _turn(turn: Any, where: str) -> dict[str, Any]:
     # Per-token floats the trainer already has (tensors or arrays welcome): sent as plain finite numbers.
     for key in ("token_entropies", "reasoning_logprobs"):
         if out.get(key) is not None:
-            values = [float(v) for v in _as_list(out[key])]
+            try:
+                values = [float(v) for v in _as_list(out[key])]
+            except (TypeError, ValueError, OverflowError) as e:
+                raise TrajectoryError(f"{where}.{key} must hold numbers: {e}") from e
             if not all(math.isfinite(v) for v in values):
                 raise TrajectoryError(f"{where}.{key} must be finite numbers")
             out[key] = values
@@ -264,7 +267,7 @@ def _token_ids(values: Any, where: str) -> list[int]:
         raise TrajectoryError(f"{where} must be a list of token ids, got {type(values).__name__}")
     try:
         ids = [int(v) for v in values]
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an infinity (1e400 in a JSON file)
         raise TrajectoryError(f"{where} must hold integers: {e}") from e
     return ids
 

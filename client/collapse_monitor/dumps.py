@@ -46,7 +46,16 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from collapse_monitor.batches import GROUP_KEYS, BatchLimits, GroupFit, group_of, json_bytes, normalize, within_limits
+from collapse_monitor.batches import (
+    GROUP_KEYS,
+    BatchLimits,
+    GroupFit,
+    TrajectoryError,
+    group_of,
+    json_bytes,
+    normalize,
+    within_limits,
+)
 from collapse_monitor.conversations import Render, is_conversation, render_plain
 from collapse_monitor.prime_rl_traces import episode_trajectories, is_episode_record
 
@@ -225,7 +234,7 @@ def _as_sent(trajectory: Any, limits: BatchLimits) -> tuple[Hashable | None, Any
         sent = {**sent, "group_id": group}
     try:
         [row] = normalize([sent])
-    except (ValueError, TypeError):  # not well formed after all
+    except TrajectoryError:  # not well formed after all
         return None, trajectory, _json_size(trajectory), False
     # The group id a body holds: the trajectory's own integer, else an index under max_trajectories (at most).
     if not (isinstance(given, int) and not isinstance(given, bool)):
