@@ -228,7 +228,10 @@ def _turn(turn: Any, where: str) -> dict[str, Any]:
     # Per-token floats the trainer already has (tensors or arrays welcome): sent as plain finite numbers.
     for key in ("token_entropies", "reasoning_logprobs"):
         if out.get(key) is not None:
-            values = [float(v) for v in _as_list(out[key])]
+            try:
+                values = [float(v) for v in _as_list(out[key])]
+            except (TypeError, ValueError, OverflowError) as e:
+                raise TrajectoryError(f"{where}.{key} must hold numbers: {e}") from e
             if not all(math.isfinite(v) for v in values):
                 raise TrajectoryError(f"{where}.{key} must be finite numbers")
             out[key] = values
@@ -264,7 +267,7 @@ def _token_ids(values: Any, where: str) -> list[int]:
         raise TrajectoryError(f"{where} must be a list of token ids, got {type(values).__name__}")
     try:
         ids = [int(v) for v in values]
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an infinity (1e400 in a JSON file)
         raise TrajectoryError(f"{where} must hold integers: {e}") from e
     return ids
 
@@ -421,13 +424,20 @@ def _cap(sizes: list[int], budget: float) -> int:
 MAX_CUTS = 4
 
 
-def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, bool]:
-    """The trajectory's JSON in a body, and whether it was cut: its first ``max_turns`` turns, its texts and token
-    lists within their limits and, past the body alone, cut further (``caps``) until it fits."""
+def within_limits(trajectory: Mapping[str, Any], limits: BatchLimits) -> Mapping[str, Any]:
+    """The trajectory with its first ``max_turns`` turns and its texts and token lists cut to their limits
+    (``shorten``); itself when none is past them. ``encode`` sends each trajectory so, and readers of step files
+    keep each so (``dumps``), so that they size it as it will be sent."""
     current: Mapping[str, Any] = trajectory
     if len(trajectory["turns"]) > limits.max_turns:
         current = {**trajectory, "turns": trajectory["turns"][: limits.max_turns]}
-    current = shorten(current, limit_caps(limits)) or current
+    return shorten(current, limit_caps(limits)) or current
+
+
+def _piece(trajectory: Mapping[str, Any], limits: BatchLimits) -> tuple[bytes, bool]:
+    """The trajectory's JSON in a body, and whether it was cut: ``within_limits`` and, past the body alone, cut
+    further (``caps``) until it fits."""
+    current = within_limits(trajectory, limits)
     piece = json_bytes(current)
     for _ in range(MAX_CUTS):
         if len(piece) + 1 <= limits.trajectory_bytes:

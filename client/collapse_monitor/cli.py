@@ -284,11 +284,11 @@ def _run_send(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
         raise UsageError(str(e)) from e
     except (ValueError, RecursionError) as e:  # a reader's own decoding error; nesting past what Python parses
         raise UsageError(f"cannot read {args.file}: {e or type(e).__name__}") from e
-    batches = {s: trajectories for s, trajectories in batches.items() if trajectories}
+    batches = {s: read for s, read in batches.items() if read.trajectories}
     if not batches:
         raise UsageError(f"{args.file}: no batch in it")
-    for batch_step, trajectories in batches.items():
-        monitor.log(batch_step, trajectories)
+    for batch_step, read in batches.items():
+        monitor.log(batch_step, read.trajectories, rows_cut=read.n_cut, rows_left_out=read.n_left_out)
     delivered = monitor.close(timeout=args.timeout)
     stats = monitor.stats()
     code = 0 if delivered and not (stats.rejected or stats.invalid or stats.dropped) else EXIT_NOT_DELIVERED

@@ -24,26 +24,38 @@ The line formats, told apart line by line:
   read by ``prime_rl_traces``; the step is the ``step_{N}`` folder's (given as ``step``).
 
 Lines are read and converted one at a time, and a step holds only what one body can send
-(``batches.GroupFit``): whole groups past the service's limits of one batch are left out as they
-come and named in the log, so reading holds about one body per step, not what the file expands to
-(the rows of verl's multi-turn sessions are the exception: a session's turns may be anywhere in the
-file, so they are kept until its end; a verl row of its own is converted as it comes). An episode
-record's trajectories are bounded to its share of that body, its line's share of the file's bytes
-(``prime_rl_traces``).
+(``batches.GroupFit``): each trajectory is kept as it will be sent, its turns, texts and token lists
+cut to the service's limits (``batches.within_limits``, as ``encode`` cuts them), and sized so, and
+whole groups past the limits of one batch are left out as they come and named in the log. So a step
+holds every whole group that fits its body once cut, and reading holds about one body per step, not
+what the file expands to (the rows of verl's multi-turn sessions are the exception: a session's
+turns may be anywhere in the file, so they are kept, their texts cut, until its end; a verl row of
+its own is converted as it comes). An episode record's trajectories are bounded to its share of
+that body, its line's share of the file's bytes (``prime_rl_traces``).
 
 Must not import httpx or the monitor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from collapse_monitor.batches import BatchLimits, GroupFit, group_of
+from collapse_monitor.batches import (
+    GROUP_KEYS,
+    BatchLimits,
+    GroupFit,
+    TrajectoryError,
+    group_of,
+    json_bytes,
+    normalize,
+    within_limits,
+)
 from collapse_monitor.conversations import Render, is_conversation, render_plain
 from collapse_monitor.prime_rl_traces import episode_trajectories, is_episode_record
 
@@ -57,6 +69,8 @@ class DumpError(ValueError):
 # A line past the service's body limit could never be sent; reading stops there so a file with no newline
 # (2 GB of NULs) costs one line's bytes, not the file's.
 MAX_LINE_BYTES = BatchLimits.max_body_bytes
+# A group's key past this many characters (a prompt, when it is the group) is kept as its opening and a digest.
+MAX_KEY_CHARS = 80
 
 
 def read_jsonl(path: Path, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[tuple[int, dict[str, Any], int]]:
@@ -108,8 +122,9 @@ def batches_of(
     render: Render | None = None,
     limits: BatchLimits | None = None,
     total_bytes: int | None = None,
-) -> dict[int, list[Any]]:
-    """Trajectories per step, steps in order of first appearance (see the module docstring).
+) -> dict[int, GroupFit[Any]]:
+    """Trajectories per step (``GroupFit.items()``, with what was cut and left out), steps in order of first
+    appearance (see the module docstring).
 
     ``rows``: (line number, object, its bytes). ``step`` fills in rows without one; ``render`` turns a
     conversation into prompt text (ROLL's ``messages``, prime-rl's conversations; default
@@ -124,7 +139,9 @@ def batches_of(
     def keep(row_step: int, trajectories: Iterable[Any]) -> None:
         fit = fits.setdefault(row_step, GroupFit(limits.trajectory_bytes, limits.max_trajectories))
         for trajectory in trajectories:
-            fit.add(_group(trajectory), trajectory, _size(trajectory))
+            group, sent, n_bytes, is_cut = _as_sent(trajectory, limits)
+            fit.n_cut += is_cut
+            fit.add(("malformed", id(trajectory)) if group is None else group, sent, n_bytes)
 
     for number, row, n_bytes in rows:
         row_step = _roll_step(row, step, f"{where}:{number}") if is_roll_batch(row) else row.get("step", step)
@@ -134,13 +151,24 @@ def batches_of(
             keep(row_step, verl_trajectories([row]))
         elif is_verl_row(row):
             keep(row_step, [])  # the step keeps its place in the order of steps
-            verl.setdefault(row_step, []).append(row)
+            verl.setdefault(row_step, []).append(_verl_row_within(row, limits))
         else:
             share = limits.trajectory_bytes * n_bytes // max(total_bytes or n_bytes, n_bytes)
             keep(row_step, _row_trajectories(row, f"{where}:{number}", render, limits, share))
     for row_step, verl_rows in verl.items():
         keep(row_step, verl_trajectories(verl_rows))
     for row_step, fit in fits.items():
+        if fit.n_cut:
+            logger.warning(
+                "collapse-monitor: %s, step %d: %d trajectories read with their turns, texts or token ids cut to the "
+                "service's limits (%d turns, %d characters a text, %d ids a list)",
+                where,
+                row_step,
+                fit.n_cut,
+                limits.max_turns,
+                limits.max_text_chars,
+                limits.max_token_ids,
+            )
         if fit.left_out:
             logger.warning(
                 "collapse-monitor: %s, step %d: %s left out to fit the service's limits of one batch (%d bytes, %d "
@@ -151,7 +179,7 @@ def batches_of(
                 limits.max_body_bytes,
                 limits.max_trajectories,
             )
-    return {row_step: fit.items() for row_step, fit in fits.items()}
+    return fits
 
 
 def _row_trajectories(
@@ -180,15 +208,51 @@ def _row_trajectories(
     )
 
 
-def _group(trajectory: Any) -> Any:
-    # A malformed trajectory (not a mapping) joins no group's fate: normalize names it when it is logged.
-    return group_of(trajectory) if isinstance(trajectory, Mapping) else ("malformed", id(trajectory))
+def _as_sent(trajectory: Any, limits: BatchLimits) -> tuple[Hashable | None, Any, int, bool]:
+    """(its group, the trajectory as it will be sent, its bytes in a body with its comma, whether it was cut).
+
+    As sent: cut to the limits as ``encode`` cuts it (``batches.within_limits``), so the step holds no uncut text
+    and its groups are counted at the size they will take. Its group is pinned (a ``group_id``) where it was its
+    prompt, or a long text: a prompt cut to its last characters might no longer tell two groups apart, and a long
+    key would keep the uncut text in memory. A trajectory not well formed has no group (None: it joins no group's
+    fate) and is kept as it is; normalize names it when it is logged.
+    """
+    turns = trajectory.get("turns") if isinstance(trajectory, Mapping) else None
+    if not isinstance(trajectory, Mapping) or not (
+        turns is None or (isinstance(turns, list) and turns and all(isinstance(turn, Mapping) for turn in turns))
+    ):
+        return None, trajectory, _json_size(trajectory), False
+    if turns is None:  # the single-turn shorthand: the trajectory is its own turn
+        sent: Mapping[str, Any] = within_limits({"turns": [trajectory]}, limits)["turns"][0]
+    else:
+        sent = within_limits(trajectory, limits)
+    is_cut = sent is not trajectory
+    raw_group = group_of(trajectory)
+    group = _bounded(raw_group)
+    given = next((trajectory[key] for key in GROUP_KEYS if trajectory.get(key) is not None), None)
+    if given is None or (isinstance(given, str) and group is not raw_group):
+        sent = {**sent, "group_id": group}
+    try:
+        [row] = normalize([sent])
+    except TrajectoryError:  # not well formed after all
+        return None, trajectory, _json_size(trajectory), False
+    # The group id a body holds: the trajectory's own integer, else an index under max_trajectories (at most).
+    if not (isinstance(given, int) and not isinstance(given, bool)):
+        row["group_id"] = limits.max_trajectories - 1
+    return group, sent, len(json_bytes(row)) + 1, is_cut
 
 
-def _size(trajectory: Any) -> int:
-    """Its bytes in a body, near enough (normalize may shorten a group id; NaN stays as the file wrote it)."""
+def _json_size(trajectory: Any) -> int:
+    """The bytes of a trajectory ``normalize`` refuses, near enough."""
     text = json.dumps(trajectory, separators=(",", ":"), ensure_ascii=False, default=str)
     return len(text.encode("utf-8", "replace")) + 1  # + its comma
+
+
+def _bounded(key: Hashable) -> Hashable:
+    """A group's key in at most ``MAX_KEY_CHARS`` characters: a longer text as its opening and a digest of it."""
+    if not isinstance(key, str) or len(key) <= MAX_KEY_CHARS:
+        return key
+    return f"{key[: MAX_KEY_CHARS - 20]}... #{hashlib.sha256(key.encode('utf-8', 'replace')).hexdigest()[:12]}"
 
 
 def _areal_trajectory(row: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -268,11 +332,17 @@ def verl_trajectories(rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return trajectories
 
 
+def _verl_row_within(row: Mapping[str, Any], limits: BatchLimits) -> Mapping[str, Any]:
+    """A verl row of a multi-turn session with its texts cut to the limits, as its turn will be sent."""
+    turn = within_limits({"turns": [{"prompt": row["input"], "response": row["output"]}]}, limits)["turns"][0]
+    return {**row, "input": turn["prompt"], "output": turn["response"]}
+
+
 def _verl_key(row: Mapping[str, Any], i: int) -> tuple[Any, Any, int]:
     """(group, session, turn index) of a row; see the module docstring."""
     uid = row.get("uid")
     if uid is None:
-        return ("input", row["input"]), ("row", i), 0
+        return ("input", _bounded(row["input"])), ("row", i), 0
     parts = str(uid).rsplit("_", 2)
     if len(parts) == 3 and parts[2].isdigit():
         return ("uid", parts[0]), ("session", parts[0], parts[1]), int(parts[2])

@@ -175,20 +175,20 @@ class Follower:
             # Python parses; MemoryError: a file far past what this machine holds. None may end the loop.
             self._skip(unit, (size, mtime_ns), str(e) or type(e).__name__)
             return []
-        empty = [step for step, trajectories in batches.items() if not trajectories]
+        empty = [step for step, read in batches.items() if not read.trajectories]
         if empty:
             logger.warning("collapse-monitor: %s holds no trajectory to score at step(s) %s", unit.key, empty)
-            batches = {step: trajectories for step, trajectories in batches.items() if trajectories}
+            batches = {step: read for step, read in batches.items() if read.trajectories}
         if unit.kind == "parquet":
-            record["content"] = _content_key(batches)
+            record["content"] = _content_key([read.trajectories for read in batches.values()])
             previous = self._previous_completion_file(unit)
             if previous is not None and self.done[previous].get("content") == record["content"]:
                 logger.info("collapse-monitor: %s repeats the generation of %s; not sent again", unit.key, previous)
                 self.done[unit.key] = {**record, "steps": [], "same_as": previous}
                 self._save_state()
                 return []
-        for step, trajectories in batches.items():
-            self.monitor.log(step, trajectories)
+        for step, read in batches.items():
+            self.monitor.log(step, read.trajectories, rows_cut=read.n_cut, rows_left_out=read.n_left_out)
         self.done[unit.key] = {**record, "steps": list(batches)}
         self._save_state()
         return list(batches)
@@ -316,9 +316,9 @@ def _order(unit: StepUnit) -> tuple[int, float, str]:
     return (1, mtime_ns / 1e9, unit.key)
 
 
-def _content_key(batches: dict[int, list[Any]]) -> str:
+def _content_key(steps: list[list[Any]]) -> str:
     """What a completion file holds, without its step: equal for two files of one generation."""
-    content = json.dumps(list(batches.values()), sort_keys=True, default=str)
+    content = json.dumps(steps, sort_keys=True, default=str)
     return hashlib.sha256(content.encode()).hexdigest()
 
 

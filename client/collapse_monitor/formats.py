@@ -149,17 +149,28 @@ class Reading:
     limits: BatchLimits = field(default_factory=BatchLimits)  # JSONL: a step is read up to what one batch may hold
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step's trajectories as read, and how many reading cut or left out to fit the service's limits (JSONL
+    readers: ``dumps``), for the monitor to count (``Monitor.log``)."""
+
+    trajectories: list[Any]
+    n_cut: int = 0
+    n_left_out: int = 0
+
+
 class UntrustedDumpError(ValueError):
     """slime's dumps are pickles: reading them runs code, so only a folder said to be trusted is read."""
 
 
-def read_unit(unit: StepUnit, reading: Reading) -> dict[int, list[Any]]:
-    """Trajectories per step of one step unit; raises DumpError, CompletionFileError, MissingExtraError."""
+def read_unit(unit: StepUnit, reading: Reading) -> dict[int, Step]:
+    """The steps of one step unit; raises DumpError, CompletionFileError, MissingExtraError."""
     if unit.kind == "trackio":
         run, number = unit.key.rsplit("/", 1)
-        return {int(number): step_trajectories(unit.paths[0], run, int(number), reading.render)}
+        return {int(number): Step(step_trajectories(unit.paths[0], run, int(number), reading.render))}
     if unit.kind == "parquet":
-        return batches_of_file(unit.paths[0], reading.reward_weights, reading.render)
+        read = batches_of_file(unit.paths[0], reading.reward_weights, reading.render)
+        return {step: Step(trajectories) for step, trajectories in read.items()}
     if unit.kind == "pt":
         if not reading.trust_pickle:
             raise UntrustedDumpError(
@@ -174,10 +185,11 @@ def read_unit(unit: StepUnit, reading: Reading) -> dict[int, list[Any]]:
             found = slime_trajectories(samples, reward_key=reading.reward_key, decode=reading.decode)
         except (ValueError, TypeError, AttributeError) as e:
             raise DumpError(f"{unit.paths[0]}: {e}") from e
-        return {step: found}
+        return {step: Step(found)}
     rows = (line for path in unit.paths for line in read_jsonl(path))  # one line at a time
     total_bytes = sum(path.stat().st_size for path in unit.paths)
     where = str(unit.paths[0]) if len(unit.paths) == 1 else f"{unit.paths[0].parent}/*.jsonl"
-    return batches_of(
+    fits = batches_of(
         rows, where, step=unit.step, render=reading.render, limits=reading.limits, total_bytes=total_bytes
     )
+    return {step: Step(fit.items(), fit.n_cut, sum(fit.left_out.values())) for step, fit in fits.items()}

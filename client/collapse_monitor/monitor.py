@@ -215,6 +215,8 @@ class Monitor:
         idempotency_key: str | None = None,
         figures: Mapping[str, Any] | None = None,
         rows_sampled_out: int = 0,
+        rows_cut: int = 0,
+        rows_left_out: int = 0,
     ) -> None:
         """Queues one training step's trajectories; returns at once.
 
@@ -223,7 +225,9 @@ class Monitor:
         trainer computed for this step (its SNR filter's, say), stored as series of sampler
         ``trainer``; see ``figures()`` for those known only after the step. ``rows_sampled_out``:
         rows the caller left out by its own draw (``sample_indices``) before reading them, counted
-        with those ``log`` leaves out (``stats().rows_sampled_out``).
+        with those ``log`` leaves out (``stats().rows_sampled_out``). ``rows_cut``, ``rows_left_out``: rows the
+        caller cut or left out to fit the service's limits before logging them (a reader of step files,
+        ``formats.Step``), counted with those ``log`` cuts or leaves out (``stats().rows_cut``, ``rows_left_out``).
         """
         if not self._is_active("log"):
             return
@@ -244,7 +248,7 @@ class Monitor:
         sendable = self._sendable(step, figures or {})
         self._start().submit(
             Request("batch", step, encode=functools.partial(self._encode, step, rows, idempotency_key, sendable)),
-            rows_sampled_out=left_out + rows_sampled_out,
+            {"rows_sampled_out": left_out + rows_sampled_out, "rows_cut": rows_cut, "rows_left_out": rows_left_out},
         )
 
     def _encode(

@@ -13,7 +13,8 @@ longest texts and token lists cut) and sent again. The batch limits in force (``
 service's, told when the run is created (the smaller of each where the user gave some); a batch
 refused for one of them (413 naming it: fitted before they were told, by an earlier process, or
 against an older service that does not tell them) is fitted again to the limit named
-(``batches.refit_to_limits``) and sent again. Must not import the integrations.
+(``batches.refit_to_limits``) and sent again; one whose body is past the ``max_body_bytes`` in force is
+fitted so before it is sent, not after a 413. Must not import the integrations.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -174,12 +175,15 @@ class Sender:
         self._thread = threading.Thread(target=self._loop, name=f"collapse-monitor-{self.run}", daemon=True)
         self._thread.start()
 
-    def submit(self, request: Request, rows_sampled_out: int = 0) -> None:
-        """Queues a request; never blocks on the network (spills to disk when the queue is full)."""
+    def submit(self, request: Request, rows: Mapping[str, int] | None = None) -> None:
+        """Queues a request; never blocks on the network (spills to disk when the queue is full).
+
+        ``rows``: a batch's row counters to add (``rows_sampled_out``, ``rows_cut``, ``rows_left_out``)."""
         with self._cond:
             if request.kind == "batch":
                 self._counts.add("logged")
-                self._counts.add("rows_sampled_out", rows_sampled_out)
+                for name, n in (rows or {}).items():
+                    self._counts.add(name, n)
             if not self.durable and len(self._memory) < self.max_queue:
                 self._memory.append(request)
                 self._cond.notify_all()
@@ -285,6 +289,7 @@ class Sender:
                     self.create_run()
                 else:
                     assert request is not None
+                    self._fit_past_body(request)
                     self._settle(request, self.transport.post(self._path(request), request.payload(self.spool)))
             except Exception:  # a bug here must not kill the thread and strand every later batch
                 logger.exception("collapse-monitor sender failed; retrying with backoff")
@@ -394,41 +399,56 @@ class Sender:
             return request.refits < MAX_REFITS
         return limit in LIMIT_NAMES and request.limit_refits < MAX_LIMIT_REFITS
 
+    def _fit_past_body(self, request: Request) -> None:
+        """Fits a batch whose body is past the ``max_body_bytes`` in force before it is sent, as a 413 naming it
+        would (``_fit_to_limits``), without sending the body first: one written before the service told its
+        limits (spooled by an earlier process, or while it was down). The other limits need the body read to
+        check, so a body within this one is sent, and fitted to the limit its 413 names."""
+        if request.kind != "batch" or request.limit_refits >= MAX_LIMIT_REFITS:
+            return
+        size = request.entry.size if request.entry is not None else len(request.payload(self.spool))
+        if size > self.limits.max_body_bytes:
+            why = f"is {size} bytes, past the service's max_body_bytes={self.limits.max_body_bytes}; sent"
+            self._fit_to_limits(request, why)  # else sent as it is: the service says why it refuses it
+
     def _fit_to_limit(self, request: Request, outcome: Outcome, limit: str, allowed: int, got: int) -> None:
         """Fits a batch refused for a batch limit to it (and every other limit in force); it is sent again next.
 
         The limit stays in force for every later batch. A body this client did not write, or one that fitting
         leaves as it is (nothing left to cut), is refused as it is.
         """
-        refused = request.describe()
-        request.limit_refits += 1
         self.limits = self.limits.told({limit: allowed})
+        why = f"was refused by the service: {limit} is {allowed} there, the batch had {got}; sent again"
+        if not self._fit_to_limits(request, why):
+            self._refused(request, outcome)
+
+    def _fit_to_limits(self, request: Request, why: str) -> bool:
+        """Fits a batch to every limit in force (``refit_to_limits``), its spooled copy replaced in place; False for
+        a body this client did not write, or one that fitting leaves as it is (nothing left to cut)."""
+        described = request.describe()
+        request.limit_refits += 1
         body = request.payload(self.spool)
         try:
             request.key, fitted, fit = refit_to_limits(self.run, body, self.limits)
-        except (ValueError, KeyError, TypeError) as e:  # not a body this client wrote: refused as it is
-            logger.error("collapse-monitor: the %s cannot be fitted to the service's %s: %r", refused, limit, e)
-            self._refused(request, outcome)
-            return
+        except (ValueError, KeyError, TypeError) as e:  # not a body this client wrote
+            logger.error("collapse-monitor: the %s cannot be fitted to the service's limits: %r", described, e)
+            return False
         if fitted == body:
-            self._refused(request, outcome)
-            return
+            return False
         if request.entry is not None:
-            request.entry = self.spool.replace(request.entry, fitted)  # on disk before the refused body is gone
+            request.entry = self.spool.replace(request.entry, fitted)  # on disk before the unfitted body is gone
         request.body = fitted
         self.count("refitted")
         self.count("rows_left_out", sum(fit.left_out.values()))
         logger.warning(
-            "collapse-monitor: the service refused the %s: %s is %d there, the batch had %d; sent again as %s, "
-            "fitted to the service's limits (%s)%s",
-            refused,
-            limit,
-            allowed,
-            got,
+            "collapse-monitor: the %s %s as %s, fitted to the service's limits (%s)%s",
+            described,
+            why,
             request.key,
             ", ".join(f"{name}={getattr(self.limits, name)}" for name in LIMIT_NAMES),
             f"; {fit.describe_left_out()} left out" if fit.left_out else "",
         )
+        return True
 
     def _refit(self, request: Request, outcome: Outcome, cost: int, limit: int) -> None:
         """Cuts a batch refused for its scoring cost to the limit the refusal named; it is sent again next."""

@@ -112,6 +112,12 @@ def test_without_group_ids_identical_prompts_form_one_group():
             [{"group_id": 0, "reward": 0, "prompt": "p", "reasoning_token_ids": ["a"]}],
             r"reasoning_token_ids must hold integers",
         ),
+        ([{"group_id": 0, "reward": 0, "prompt_token_ids": [math.inf], "response": "r"}], r"must hold integers"),
+        ([{"group_id": 0, "reward": 0, "prompt": "p", "response": "r", "token_entropies": "ab"}], r"must hold numbers"),
+        (
+            [{"group_id": 0, "reward": 0, "prompt": "p", "response": "r", "token_entropies": [10**400]}],
+            r"token_entropies must hold numbers",
+        ),
         (
             [{"group_id": 0, "reward": 0, "prompt": "p", "response": "r", "token_entropies": [math.nan]}],
             r"token_entropies must be finite",

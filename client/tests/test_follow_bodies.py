@@ -17,7 +17,7 @@ from bench.follow_traces import write_traces
 from bench.peak import run_measured
 from running_service import RunningService
 
-from collapse_monitor.batches import BatchLimits
+from collapse_monitor.batches import BatchLimits, encode, normalize
 from collapse_monitor.dumps import batches_of
 from collapse_monitor.monitor import Monitor
 
@@ -183,7 +183,8 @@ def test_a_verl_step_file_is_read_a_row_at_a_time_holding_about_one_body() -> No
     limits = BatchLimits(max_body_bytes=BODY)
     tracemalloc.start()
     try:
-        [(step, kept)] = batches_of(rows(), "3.jsonl", limits=limits).items()
+        [(step, fit)] = batches_of(rows(), "3.jsonl", limits=limits).items()
+        kept = fit.items()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -191,6 +192,26 @@ def test_a_verl_step_file_is_read_a_row_at_a_time_holding_about_one_body() -> No
     assert len(kept) == 16  # the first 2 whole groups of 8 within 192 KiB
     assert [t["turns"][0]["prompt"][:9] for t in kept] == ["prompt 0 "] * 8 + ["prompt 1 "] * 8
     assert peak < 8 * BODY  # the kept body, one row at a time and the keys of the groups left out, not 40 MB
+
+
+def test_a_step_of_long_prompts_holds_them_cut_as_sent_and_as_many_whole_groups_as_fit() -> None:
+    # Groups of 4 told by their prompt alone, 5,000 characters that differ only in their opening: cut to their last
+    # 2,000, as sending cuts them, they would all read as one group unless each keeps its own.
+    def rows() -> Iterator[tuple[int, dict[str, Any], int]]:
+        for i in range(400):
+            yield i + 1, {"step": 1, "prompt": f"prompt {i // 4} " + "q" * 5000, "response": "a" * 3000}, 8_000
+
+    limits = BatchLimits(max_body_bytes=BODY, max_text_chars=2000)
+    [kept] = [fit.items() for fit in batches_of(rows(), "1.jsonl", limits=limits).values()]
+    assert all(len(t["prompt"]) == len(t["response"]) == 2000 for t in kept)
+    group_ids = [row["group_id"] for row in normalize(kept)]
+    assert group_ids == [i // 4 for i in range(len(kept))]  # groups kept whole and apart
+    fit = encode("run", 1, normalize(kept), limits=limits)[2]
+    assert (fit.left_out, fit.n_cut) == ({}, 0)  # sent as read
+    group_bytes = fit.kept_bytes * 4 // len(kept)
+    assert fit.kept_bytes + group_bytes > limits.trajectory_bytes  # the next group would not have fitted
+    as_written = 4 * (len(json.dumps(next(rows())[1])) + 1)
+    assert len(kept) >= 2 * 4 * (limits.trajectory_bytes // as_written)  # twice what fit at the size as written
 
 
 def test_a_step_whose_cost_lies_in_its_prompts_not_its_long_reasonings_is_refitted_on_its_prompts(

@@ -122,3 +122,25 @@ def test_sigterm_stops_follow_promptly_with_progress_saved(
     state = json.loads(state_path.read_text())["files"]
     assert "a FIFO" in state["2.jsonl"]["error"]
     assert [s for s, _ in service.batches(run_name)] == [1, 3]
+
+
+def test_a_number_past_what_a_token_id_or_a_float_holds_makes_its_step_invalid_and_later_steps_are_delivered(
+    service: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    # 1e400 reads as an infinity, 10**400 as an int no float holds: both raised OverflowError out of follow
+    folder = tmp_path / "rollouts"
+    folder.mkdir()
+    (folder / "1.jsonl").write_text('{"step": 1, "group_id": 0, "prompt_token_ids": [1e400], "response": "r"}\n')
+    entropies = "1" + "0" * 400
+    (folder / "2.jsonl").write_text(
+        f'{{"step": 2, "prompt": "p", "response": "r", "token_entropies": [{entropies}]}}\n'
+    )
+    good_step(folder, 3)
+    command = [str(CLI), "follow", str(folder), "--url", service.url, "--run", run_name, "--once", "--settle", "0"]
+    command += ["--spool-dir", str(tmp_path / "spool")]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=300)
+    result = json.loads(done.stdout)
+    assert result["stats"]["invalid"] == 2, done.stderr
+    assert "prompt_token_ids must hold integers" in done.stderr
+    assert "token_entropies must hold numbers" in done.stderr
+    assert [s for s, _ in service.batches(run_name)] == [3]

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from bench.serving import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from running_service import RunningService
 
 from collapse_monitor import BatchLimits, Monitor
@@ -46,6 +47,27 @@ def step_past_every_limit(n_turns: int = 6, n_chars: int = 2500, n_ids: int = 30
         for g in range(8)
         for k in range(4)
     ]
+
+
+def refusals_413(service: RunningService) -> float:
+    """The 413s the service has answered so far, on any route (its ``/metrics``)."""
+    [requests] = [
+        f
+        for f in text_string_to_metric_families(httpx.get(f"{service.url}/metrics").text)
+        if f.name == ("collapse_monitor_requests")
+    ]
+    return sum(sample.value for sample in requests.samples if sample.labels.get("status") == "413")
+
+
+def follow_once(service: RunningService, folder: Path, run: str, spool: Path, *given: str) -> dict[str, Any]:
+    """``follow --once`` in a child; its result (stdout)."""
+    command = [str(CLI), "follow", str(folder), "--url", service.url, "--run", run, "--once", "--settle", "0"]
+    with tempfile.TemporaryFile() as out:
+        done = subprocess.run([*command, "--spool-dir", str(spool), *given], stdout=out, check=False)
+        out.seek(0)
+        assert done.returncode == 0
+        result: dict[str, Any] = json.loads(out.read())
+    return result
 
 
 def assert_within(batch: dict[str, Any], limits: BatchLimits) -> None:
@@ -93,8 +115,8 @@ def test_limits_given_are_kept_where_smaller_and_lowered_to_the_services_elsewhe
     assert max(len(t["turns"][0].get("reasoning_token_ids", [])) for t in stored["trajectories"]) == 20
 
 
-def test_steps_spooled_before_the_service_answered_are_fitted_to_its_413_and_delivered(
-    small: RunningService, run_name: str, tmp_path: Path
+def test_steps_spooled_before_the_service_answered_are_fitted_to_its_limits_before_they_are_sent(
+    small: RunningService, run_name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The trainer started while the service was down: its steps were fitted to the defaults and spooled.
     down = Monitor(f"http://127.0.0.1:{free_port()}", run_name, spool_dir=tmp_path, timeout=2, durable=True)
@@ -106,11 +128,15 @@ def test_steps_spooled_before_the_service_answered_are_fitted_to_its_413_and_del
     assert [p.name for p in spooled] == ["000000000000-batch-1.json", "000000000001-batch-2.json"]
     assert all(p.stat().st_size > LIMITS.max_body_bytes for p in spooled)
 
+    refused_before = refusals_413(small)
     restarted = Monitor(small.url, run_name, spool_dir=tmp_path)
     restarted.log(3, step_past_every_limit())
     assert restarted.close(60)
     stats = restarted.stats()
     assert (stats.sent, stats.rejected, stats.refitted) == (3, 0, 2)  # the spooled ones refitted once each
+    # ... before they were sent: the limits told with the run say the spooled bodies are past max_body_bytes
+    assert refusals_413(small) == refused_before
+    assert caplog.text.count("past the service's max_body_bytes=200000; sent as") == 2
     assert [step for step, _ in small.batches(run_name)] == [1, 2, 3]
     for stored in small.payloads(run_name):
         assert_within(stored, LIMITS)
@@ -157,3 +183,62 @@ def test_follow_fits_a_step_to_the_services_limits_and_the_smaller_ones_given(
     assert_within(stored, limits)
     ids = [len(t["turns"][0].get("reasoning_token_ids", [])) for t in stored["trajectories"]]
     assert max(ids) == limits.max_token_ids
+
+
+def sent_bytes(trajectory: dict[str, Any], limits: BatchLimits) -> int:
+    """What a trajectory of texts takes in a body, with its comma, its turns and texts cut to ``limits`` (naively)."""
+    turns = [
+        {"prompt": turn["prompt"][-limits.max_text_chars :], "response": turn["response"][: limits.max_text_chars]}
+        for turn in trajectory["turns"][: limits.max_turns]
+    ]
+    return len(json.dumps({**trajectory, "turns": turns}, separators=(",", ":")).encode()) + 1
+
+
+def whole_groups_that_fit(trajectories: list[dict[str, Any]], limits: BatchLimits, size: Any) -> list[int]:
+    """The groups, in order, kept while each whole fits one body's trajectories (``size``: a trajectory's bytes)."""
+    groups: dict[int, list[dict[str, Any]]] = {}
+    for trajectory in trajectories:
+        groups.setdefault(trajectory["group_id"], []).append(trajectory)
+    kept: list[int] = []
+    n_bytes = n_kept = 0
+    for group, members in groups.items():
+        group_bytes = sum(size(t) for t in members)
+        if n_bytes + group_bytes <= limits.trajectory_bytes and n_kept + len(members) <= limits.max_trajectories:
+            kept.append(group)
+            n_bytes += group_bytes
+            n_kept += len(members)
+    return kept
+
+
+def test_a_followed_step_of_texts_past_the_limits_holds_every_whole_group_that_fits_once_cut(
+    small: RunningService, run_name: str, tmp_path: Path
+) -> None:
+    # The even groups: 6 turns of texts past max_text_chars, ~72 KB a group as written, ~32 KB once cut; the odd
+    # groups: 2 short turns. Read at their size as written, the first group alone fits with the odd ones.
+    def turn(g: int, k: int, t: int, n_chars: int) -> dict[str, str]:
+        return {"prompt": f"{g}.{t} " + "p" * n_chars + " end", "response": f"{k} " + "r" * n_chars}
+
+    step = [
+        {"group_id": g, "reward": float(k), "turns": [turn(g, k, t, 3000) for t in range(6)]}
+        if g % 2 == 0
+        else {"group_id": g, "reward": float(k), "turns": [turn(g, k, t, 500) for t in range(2)]}
+        for g in range(8)
+        for k in range(2)
+    ]
+    expected = whole_groups_that_fit(step, LIMITS, lambda t: sent_bytes(t, LIMITS))
+    as_written = whole_groups_that_fit(step, LIMITS, lambda t: len(json.dumps(t, separators=(",", ":"))) + 1)
+    assert len(as_written) < len(expected) < 8  # the body binds, and binds later once cut
+    folder = tmp_path / "rollouts"
+    folder.mkdir()
+    (folder / "1.jsonl").write_text("".join(json.dumps({"step": 1, **t}) + "\n" for t in step))
+
+    result = follow_once(small, folder, run_name, tmp_path / "spool")
+    stats = result["stats"]
+    assert (stats["sent"], stats["rejected"], stats["refitted"]) == (1, 0, 0)
+    # cut and left out as the file was read, counted as the monitor counts its own
+    n_cut = sum(sent_bytes(t, LIMITS) < len(json.dumps(t, separators=(",", ":"))) + 1 for t in step)
+    assert (stats["rows_cut"], stats["rows_left_out"]) == (n_cut, len(step) - 2 * len(expected))
+    [stored] = small.payloads(run_name)
+    assert_within(stored, LIMITS)
+    groups = [t["group_id"] for t in stored["trajectories"]]
+    assert groups == [g for g in expected for _ in range(2)]
