@@ -196,7 +196,8 @@ def trajectory_batch(encode, quick: bool, seed: int) -> ScoringBatch:
 
 
 def minimal_tokens(batch: ScoringBatch) -> int:
-    """Tokens any exact scorer must run: each distinct prompt prefix once (a trie), then z_r[:-1] per pair."""
+    """Tokens any exact scorer must run: each distinct prompt prefix once (a trie), then each distinct
+    reasoning's z[:-1] under each distinct prompt."""
     trie: dict[int, dict] = {}
     nodes = 0
     distinct = set(batch.column_prompts)
@@ -207,7 +208,7 @@ def minimal_tokens(batch: ScoringBatch) -> int:
                 node[token] = {}
                 nodes += 1
             node = node[token]
-    return nodes + len(distinct) * sum(max(len(z) - 1, 0) for z in batch.reasonings)
+    return nodes + len(distinct) * sum(max(len(z) - 1, 0) for z in set(batch.reasonings))
 
 
 def one_level_tokens(batch: ScoringBatch) -> int:

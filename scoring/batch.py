@@ -88,6 +88,19 @@ class ScoringBatch:
     def n_columns(self) -> int:
         return len(self.column_group_ids)
 
+    def distinct_reasonings(self) -> tuple[list[int], np.ndarray]:
+        """(the first row of each distinct reasoning, [R] int64 each row's index among them).
+
+        A reasoning repeated across rows (a trajectory sampler's repeated draw, a collapsed batch's identical
+        answers) has one score under each prompt, so scorers score it once (``scoring.cross_scores``)."""
+        index: dict[Tokens, int] = {}
+        firsts: list[int] = []
+        for r, z in enumerate(self.reasonings):
+            if z not in index:
+                index[z] = len(firsts)
+                firsts.append(r)
+        return firsts, np.array([index[z] for z in self.reasonings], dtype=np.int64)
+
     @property
     def reasoning_lengths(self) -> np.ndarray:
         """[R] int64 token counts T_r."""

@@ -1,7 +1,7 @@
 """Scoring budgets: what a batch costs the kernel, how fast a scorer runs, and the part of a batch that fits.
 
 - ``batch_cost``: the tokens ``score_batch`` runs for a batch (its ``tokens_processed``, exactly:
-  every distinct prompt prefix once, then ``z_r[:-1]`` under every distinct prompt) and the mean
+  every distinct prompt prefix once, then each distinct ``z[:-1]`` under every distinct prompt) and the mean
   sequence length its scored tokens sit in;
 - ``Throughput``: one scorer's tokens per second by sequence length, learned from the batches it
   scored (the service keeps one per scorer, ``service.jobs.scorers``);
@@ -50,11 +50,12 @@ class BatchCost:
 def batch_cost(batch: ScoringBatch) -> BatchCost:
     """The kernel's cost of ``batch`` (``scoring.cross_scores.score_batch`` on it), without running it.
 
-    ``tokens = tree tokens of the distinct prompts + U * sum_r max(T_r - 1, 0)``, U distinct prompts.
+    ``tokens = tree tokens of the distinct prompts + U * sum_z max(T_z - 1, 0)``, U distinct prompts, z
+    over the distinct reasonings.
     Naive equivalent: ``score_batch(scorer, batch, config).tokens_processed``.
     """
     prompts = list(dict.fromkeys(batch.column_prompts))
-    queries = [len(z) - 1 for z in batch.reasonings if len(z) >= 2]
+    queries = [len(z) - 1 for z in dict.fromkeys(batch.reasonings) if len(z) >= 2]
     n_queries = sum(queries)
     tokens = prefix_tree.build(prompts).tokens + len(prompts) * n_queries
     mean_prompt = sum(len(p) for p in prompts) / len(prompts)
@@ -66,13 +67,13 @@ def batch_cost(batch: ScoringBatch) -> BatchCost:
 def pair_cost(batch: ScoringBatch) -> BatchCost:
     """The cost of ``batch`` to a scorer that runs every (prompt, reasoning) pair whole (a vLLM server).
 
-    ``tokens = sum over distinct prompts u and rows r with T_r >= 1 of (|x_u| + T_r)``: each pair
+    ``tokens = sum over distinct prompts u and distinct reasonings z with T_z >= 1 of (|x_u| + T_z)``: each pair
     re-prefills its prompt (vLLM computes prompt log-probs without its prefix cache). ``length`` is
     the mean pair length, weighted by tokens. Naive equivalent: the ``tokens_processed`` of
     ``service.jobs.vllm``'s scoring of ``batch``.
     """
     prompts = list(dict.fromkeys(batch.column_prompts))
-    lengths = [len(p) + len(z) for p in prompts for z in batch.reasonings if z]
+    lengths = [len(p) + len(z) for p in prompts for z in dict.fromkeys(batch.reasonings) if z]
     tokens = sum(lengths)
     return BatchCost(tokens=tokens, length=sum(n * n for n in lengths) / tokens if tokens else 0.0)
 

@@ -5,8 +5,8 @@ How the work is shared (naive scoring re-encodes [x_j ; z_r] for every pair):
               token prefix runs once, attending to its ancestors' keys and values (a system prompt
               shared by all, a trajectory's history shared by its later turns, at any depth); each
               prompt's last hidden state gives log p(z_r[0] | x_j) for every row at once;
-  2. pairs    every (row, prompt) pair runs only z_r[:-1], attending to the prompt's tree nodes,
-              many pairs per forward.
+  2. pairs    every (reasoning, prompt) pair runs only z[:-1], attending to the prompt's tree nodes,
+              many pairs per forward; a reasoning several rows carry runs once (its rows copied).
 Shared keys and values are never copied per sequence: ``scoring.cascade`` attends to them in
 place. Only scored positions are projected onto the vocabulary, in chunks. Every forward holds at
 most ``max_batch_tokens`` tokens (sequences x (attended + new)); distinct prompts are processed in
@@ -89,24 +89,27 @@ def score_batch(
     _check_lengths(scorer, batch, prompts, config.max_batch_tokens)
     install(scorer.model)
     tree = prefix_tree.build(prompts)
-    run = _Run(scorer, config, batch.reasonings, prompt_of_row, tree, check)
+    firsts, reasoning_of_row = batch.distinct_reasonings()
+    reasonings = [batch.reasonings[r] for r in firsts]
+    run = _Run(scorer, config, reasonings, reasoning_of_row, prompt_of_row, tree, check)
     with torch.inference_mode():
         order = [u for node in tree.nodes for u in node.ends]  # depth-first: a subtree's prompts together
         done = 0
         for block in _prompt_blocks(tree, order, config.max_batch_tokens):
             run.encode_nodes(block)
-            for pairs in _pair_batches([prompts[u] for u in block], batch.reasonings, config.max_batch_tokens):
-                run.score_pairs([(block[i], r) for i, r in pairs], prompts)
+            for pairs in _pair_batches([prompts[u] for u in block], reasonings, config.max_batch_tokens):
+                run.score_pairs([(block[i], d) for i, d in pairs], prompts)
             done += len(block)
             # Later prompts need only the nodes on their own paths: the others are freed.
             run.keep({n for u in order[done:] for n in tree.path(u)})
 
     return CrossScores(
-        L_seq=run.L[:, prompt_of_column],  # [R, N]: duplicate prompts share one scored column
+        # [R, N]: a repeated reasoning's rows share one scored row, duplicate prompts one scored column
+        L_seq=run.L[reasoning_of_row][:, prompt_of_column],
         reasoning_lengths=batch.reasoning_lengths,
         token_entropy=tuple(run.entropy),
         tokens_processed=run.tokens_processed,
-        L_head={k: L[:, prompt_of_column] for k, L in run.L_head.items()},
+        L_head={k: L[reasoning_of_row][:, prompt_of_column] for k, L in run.L_head.items()},
         matched_logprobs=tuple(run.matched),
     )
 
@@ -114,11 +117,12 @@ def score_batch(
 def scored_pairs(batch: ScoringBatch) -> tuple[list[Tokens], list[tuple[int, int]]]:
     """The distinct prompts of ``batch`` and the (prompt index, row) pairs a per-pair scorer runs.
 
-    Every row with at least one reasoning token, under every distinct prompt: ``[x_u ; z_r]`` is one
-    sequence of ``len(x_u) + len(z_r)`` tokens (no prefix is shared between pairs).
+    Every distinct reasoning with at least one token (its first row), under every distinct prompt:
+    ``[x_u ; z_r]`` is one sequence of ``len(x_u) + len(z_r)`` tokens (no prefix is shared between pairs).
     """
     prompts, _ = _distinct_prompts(batch.column_prompts)
-    pairs = [(u, r) for u in range(len(prompts)) for r, z in enumerate(batch.reasonings) if z]
+    firsts, _ = batch.distinct_reasonings()
+    pairs = [(u, r) for u in range(len(prompts)) for r in firsts if batch.reasonings[r]]
     return prompts, pairs
 
 
@@ -143,10 +147,12 @@ def pair_scores(
     """
     prompts, prompt_of_column = _distinct_prompts(batch.column_prompts)
     prompt_of_row = prompt_of_column[np.asarray(batch.column_of_row)]  # [R]
+    firsts, reasoning_of_row = batch.distinct_reasonings()
+    scored_row = [firsts[d] for d in reasoning_of_row]  # [R]: the row whose pairs were scored for each row
     _, pairs = scored_pairs(batch)
     missing = set(pairs) - token_logprobs.keys()
     assert not missing, f"pairs without log-probs: {sorted(missing)[:5]}"
-    L = np.zeros((batch.n_rows, len(prompts)), dtype=np.float64)  # [R, U]
+    L = np.zeros((batch.n_rows, len(prompts)), dtype=np.float64)  # [R, U], filled on the scored rows
     L_head = {k: np.zeros_like(L) for k in head_tokens}
     for (u, r), logprobs in token_logprobs.items():
         if len(logprobs) != len(batch.reasonings[r]):
@@ -155,12 +161,14 @@ def pair_scores(
         for k, head in L_head.items():
             head[r, u] = float(np.sum(logprobs[:k]))
     return CrossScores(
-        L_seq=L[:, prompt_of_column],  # [R, N]
+        L_seq=L[scored_row][:, prompt_of_column],  # [R, N]
         reasoning_lengths=batch.reasoning_lengths,
         token_entropy=tuple(np.empty(0) for _ in range(batch.n_rows)),
         tokens_processed=tokens_processed,
-        L_head={k: head[:, prompt_of_column] for k, head in L_head.items()},
-        matched_logprobs=tuple(token_logprobs.get((int(u), r), np.empty(0)) for r, u in enumerate(prompt_of_row)),
+        L_head={k: head[scored_row][:, prompt_of_column] for k, head in L_head.items()},
+        matched_logprobs=tuple(
+            token_logprobs.get((int(u), r), np.empty(0)) for r, u in zip(scored_row, prompt_of_row, strict=True)
+        ),
     )
 
 
@@ -281,13 +289,14 @@ def token_logprobs(
 
 
 class _Run:
-    """Accumulates L and the matched-pair entropies of one score_batch call."""
+    """Accumulates L over the distinct reasonings and the matched pairs' entropies per row of one score_batch call."""
 
     def __init__(
         self,
         scorer: Scorer,
         config: ScoringConfig,
         reasonings: Sequence[Tokens],
+        reasoning_of_row: np.ndarray,
         prompt_of_row: np.ndarray,
         tree: PrefixTree,
         check: Callable[[], None] | None,
@@ -297,8 +306,11 @@ class _Run:
         self.chunk_rows = logits_chunk_rows(config.logits_chunk_tokens, scorer.vocab_size)
         self.device = scorer.device
         self.config = config
-        self.reasonings = reasonings
-        self.prompt_of_row = prompt_of_row
+        self.reasonings = reasonings  # distinct: pairs are (prompt u, reasoning d)
+        self.rows_of: dict[tuple[int, int], list[int]] = {}  # (u, d) -> the rows it is the matched pair of
+        for r, (d, u) in enumerate(zip(reasoning_of_row.tolist(), prompt_of_row.tolist(), strict=True)):
+            self.rows_of.setdefault((u, d), []).append(r)
+        rows = [reasonings[d] for d in reasoning_of_row]
         self.check = check
         self.tree = tree
         self.packed = config.attention == "packed" or (config.attention == "auto" and self.device.type == "cuda")
@@ -306,10 +318,10 @@ class _Run:
         self.own_forward = not self.packed and supports(scorer.model)
         self.computed: dict[int, Segment] = {}  # tree node -> its keys and values, seen by every row below it
         self.joined: dict[tuple[int, ...], Segment] = {}  # nodes -> their keys and values, concatenated
-        self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [R, U]
-        self.L_head = {k: np.zeros_like(self.L) for k in config.head_tokens}  # k -> [R, U], first k tokens
-        self.entropy = [np.full(len(z), np.nan) for z in reasonings]
-        self.matched = [np.full(len(z), np.nan) for z in reasonings]  # the matched pairs' token log-probs
+        self.L = np.zeros((len(reasonings), len(tree.node_of_prompt)), dtype=np.float64)  # [D, U]
+        self.L_head = {k: np.zeros_like(self.L) for k in config.head_tokens}  # k -> [D, U], first k tokens
+        self.entropy = [np.full(len(z), np.nan) for z in rows]  # per row, under its own prompt
+        self.matched = [np.full(len(z), np.nan) for z in rows]  # per row, its matched pair's token log-probs
         self.tokens_processed = 0
 
     def forward(self, sequences: Sequence[Tokens], start_positions: Sequence[int], plan: CascadePlan) -> torch.Tensor:
@@ -402,36 +414,37 @@ class _Run:
             self._score_first_tokens(hidden[last], [u for _, u in ending])
 
     def _score_first_tokens(self, last_hidden: torch.Tensor, prompt_ids: list[int]) -> None:
-        """log p(z_r[0] | x_u) for every row, from each prompt's last hidden state [n, H].
+        """log p(z_d[0] | x_u) for every reasoning, from each prompt's last hidden state [n, H].
 
-        One vocabulary projection per prompt serves every row's first token.
+        One vocabulary projection per prompt serves every reasoning's first token.
         """
-        rows = np.array([r for r, z in enumerate(self.reasonings) if z], dtype=np.int64)
-        if not rows.size:
+        scored = np.array([d for d, z in enumerate(self.reasonings) if z], dtype=np.int64)
+        if not scored.size:
             return
-        first = torch.tensor([self.reasonings[r][0] for r in rows], device=self.device)
+        first = torch.tensor([self.reasonings[d][0] for d in scored], device=self.device)
         chunk = self.chunk_rows
         for start in range(0, len(prompt_ids), chunk):
             lp = scaled_log_softmax(self.head(last_hidden[start : start + chunk], None), self.config.temperature)
-            logp = lp[:, first].double().cpu().numpy()  # [chunk, rows]
+            logp = lp[:, first].double().cpu().numpy()  # [chunk, scored]
             entropy = entropy_from_logprobs(lp).double().cpu().numpy()  # [chunk]
             for i, u in enumerate(prompt_ids[start : start + chunk]):
-                self.L[rows, u] += logp[i]
+                self.L[scored, u] += logp[i]
                 for L_head in self.L_head.values():
-                    L_head[rows, u] += logp[i]
-                for at in np.flatnonzero(self.prompt_of_row[rows] == u):
-                    self.entropy[rows[at]][0] = entropy[i]
-                    self.matched[rows[at]][0] = logp[i, at]
+                    L_head[scored, u] += logp[i]
+                for at, d in enumerate(scored.tolist()):
+                    for r in self.rows_of.get((u, d), ()):
+                        self.entropy[r][0] = entropy[i]
+                        self.matched[r][0] = logp[i, at]
 
     def score_pairs(self, pairs: list[tuple[int, int]], prompts: Sequence[Tokens]) -> None:
-        """Runs z_r[:-1] for each (prompt, row) pair after its prompt's nodes."""
+        """Runs z_d[:-1] for each (prompt, reasoning) pair after its prompt's nodes."""
         plan = CascadePlan(self.segments([self.tree.path(u) for u, _ in pairs]))
-        queries = [self.reasonings[r][:-1] for _, r in pairs]
+        queries = [self.reasonings[d][:-1] for _, d in pairs]
         hidden = self.forward(queries, [len(prompts[u]) for u, _ in pairs], plan)  # [T, H]
-        targets = torch.tensor([t for _, r in pairs for t in self.reasonings[r][1:]], device=self.device)
+        targets = torch.tensor([t for _, d in pairs for t in self.reasonings[d][1:]], device=self.device)
         lengths = torch.tensor([len(q) for q in queries])
         valid = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).to(self.device)  # [B, Q]
-        matched = torch.tensor([self.prompt_of_row[r] == u for u, r in pairs])
+        matched = torch.tensor([pair in self.rows_of for pair in pairs])
         logp, entropy = token_logprobs(
             self.head,
             hidden,
@@ -450,13 +463,13 @@ class _Run:
         entropy_rows = torch.full(valid.shape, float("nan"), dtype=torch.float64, device=self.device)
         entropy_rows[valid] = entropy
         entropy_np = entropy_rows.cpu().numpy()
-        for b, (u, r) in enumerate(pairs):
-            self.L[r, u] += sums[b]
+        for b, (u, d) in enumerate(pairs):
+            self.L[d, u] += sums[b]
             for k, L_head in self.L_head.items():
-                L_head[r, u] += head_sums[k][b]
-            if self.prompt_of_row[r] == u:
-                self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[r]) - 1]
-                self.matched[r][1:] = per_position_np[b, : len(self.reasonings[r]) - 1]
+                L_head[d, u] += head_sums[k][b]
+            for r in self.rows_of.get((u, d), ()):
+                self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[d]) - 1]
+                self.matched[r][1:] = per_position_np[b, : len(self.reasonings[d]) - 1]
 
 
 def _rows(rows: list[int], batch: int, device: torch.device) -> torch.Tensor | slice | None:

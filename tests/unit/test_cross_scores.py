@@ -124,10 +124,10 @@ def test_tokens_processed_is_the_minimum_exact_scoring_needs(llama64):
     batch = random_batch(seed=4)
     scores = score_batch(llama64, batch, ScoringConfig())
     distinct = set(batch.column_prompts)
-    # Every distinct prompt prefix runs once (the system prompt once for all), and every row's
-    # z[:-1] once per distinct prompt.
+    # Every distinct prompt prefix runs once (the system prompt once for all), and every distinct
+    # reasoning's z[:-1] once per distinct prompt.
     prefixes = {p[:n] for p in distinct for n in range(1, len(p) + 1)}
-    queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
+    queries = sum(max(len(z) - 1, 0) for z in set(batch.reasonings)) * len(distinct)
     assert scores.tokens_processed == len(prefixes) + queries
     naive = score_batch_naive(llama64, batch)
     assert naive.tokens_processed == sum(len(p) + len(z) for p in batch.column_prompts for z in batch.reasonings)
@@ -269,7 +269,7 @@ def test_trajectory_shaped_batches_match_the_reference_and_run_each_prefix_once(
     assert_scores_close(fast, score_batch_naive(scorer, batch, micro_batch_size=3), 1e-10)
     distinct = set(batch.column_prompts)
     prefixes = {p[:n] for p in distinct for n in range(1, len(p) + 1)}
-    queries = sum(max(len(z) - 1, 0) for z in batch.reasonings) * len(distinct)
+    queries = sum(max(len(z) - 1, 0) for z in set(batch.reasonings)) * len(distinct)
     assert fast.tokens_processed == len(prefixes) + queries
 
 
@@ -336,3 +336,19 @@ def test_vocabulary_chunks_keep_their_logits_under_the_byte_bound():
     assert logits_chunk_rows(512, 10**9) == 1  # never zero rows
     for vocab in (512, 49_152, 151_936):
         assert logits_chunk_rows(10**6, vocab) * 4 * vocab <= LOGITS_BYTES
+
+
+def test_a_repeated_reasoning_is_scored_once_and_every_row_gets_its_scores(llama64):
+    # Row 1 repeats row 0 under the same prompt (a trajectory sampler's repeated draw); row 3 repeats row 0's
+    # reasoning under another prompt (a template answer): its own-prompt entropy is its own matched pair's.
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5], [6, 7, 8]]
+    reasonings = [[9, 10, 11], [9, 10, 11], [12, 13], [9, 10, 11]]
+    batch = ScoringBatch.from_rows(prompts, reasonings, [0, 0, 1, 2])
+    fast = score_batch(llama64, batch, ScoringConfig(max_batch_tokens=40, logits_chunk_tokens=7))
+    assert_scores_close(fast, score_batch_naive(llama64, batch, micro_batch_size=1), 1e-10)
+    np.testing.assert_array_equal(fast.L_seq[0], fast.L_seq[3])
+    assert not np.allclose(fast.token_entropy[0], fast.token_entropy[3])  # different own prompts
+    np.testing.assert_allclose(fast.matched_logprobs[3].sum(), fast.L_seq[3, 2], atol=1e-10)
+    np.testing.assert_allclose(fast.matched_logprobs[1].sum(), fast.L_seq[1, 0], atol=1e-10)
+    # 8 tokens of distinct prompts, then 2 distinct reasonings (queries of 2 and 1 tokens) under 3 prompts.
+    assert fast.tokens_processed == 3 + 2 + 3 + (2 + 1) * 3

@@ -57,9 +57,11 @@ def test_log_probs_of_the_wrong_length_are_refused_naming_the_row(llama64):
         pair_scores(batch, logprobs, (), 0)
 
 
-def test_the_pair_cost_counts_every_pair_whole_once_per_distinct_prompt():
-    # Two distinct prompts (columns 0 and 2 share one), reasonings of 3, 0 and 2 tokens.
-    batch = ScoringBatch.from_rows([[1, 2], [3, 4, 5], [1, 2]], [[6, 7, 8], [], [9, 9]], [0, 1, 2])
+def test_the_pair_cost_counts_every_pair_whole_once_per_distinct_prompt_and_reasoning():
+    # Two distinct prompts (columns 0 and 2 share one), reasonings of 3, 0 and 2 tokens, the first repeated.
+    batch = ScoringBatch.from_rows(
+        [[1, 2], [3, 4, 5], [1, 2], [3, 4, 5]], [[6, 7, 8], [], [9, 9], [6, 7, 8]], [0, 1, 2, 3]
+    )
     cost = pair_cost(batch)
     lengths = [2 + 3, 2 + 2, 3 + 3, 3 + 2]  # (prompt, reasoning) pairs with a reasoning
     assert cost.tokens == sum(lengths)
