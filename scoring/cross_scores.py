@@ -307,9 +307,9 @@ class _Run:
         self.device = scorer.device
         self.config = config
         self.reasonings = reasonings  # distinct: pairs are (prompt u, reasoning d)
-        self.rows_of: dict[tuple[int, int], list[int]] = {}  # (u, d) -> the rows it is the matched pair of
+        self.rows_of: dict[int, dict[int, list[int]]] = {}  # u -> d -> the rows (u, d) is the matched pair of
         for r, (d, u) in enumerate(zip(reasoning_of_row.tolist(), prompt_of_row.tolist(), strict=True)):
-            self.rows_of.setdefault((u, d), []).append(r)
+            self.rows_of.setdefault(u, {}).setdefault(d, []).append(r)
         rows = [reasonings[d] for d in reasoning_of_row]
         self.check = check
         self.tree = tree
@@ -421,6 +421,7 @@ class _Run:
         scored = np.array([d for d, z in enumerate(self.reasonings) if z], dtype=np.int64)
         if not scored.size:
             return
+        at = {d: i for i, d in enumerate(scored.tolist())}
         first = torch.tensor([self.reasonings[d][0] for d in scored], device=self.device)
         chunk = self.chunk_rows
         for start in range(0, len(prompt_ids), chunk):
@@ -431,10 +432,12 @@ class _Run:
                 self.L[scored, u] += logp[i]
                 for L_head in self.L_head.values():
                     L_head[scored, u] += logp[i]
-                for at, d in enumerate(scored.tolist()):
-                    for r in self.rows_of.get((u, d), ()):
+                for d, rows in self.rows_of.get(u, {}).items():
+                    if d not in at:  # an empty reasoning: no token to score
+                        continue
+                    for r in rows:
                         self.entropy[r][0] = entropy[i]
-                        self.matched[r][0] = logp[i, at]
+                        self.matched[r][0] = logp[i, at[d]]
 
     def score_pairs(self, pairs: list[tuple[int, int]], prompts: Sequence[Tokens]) -> None:
         """Runs z_d[:-1] for each (prompt, reasoning) pair after its prompt's nodes."""
@@ -444,7 +447,7 @@ class _Run:
         targets = torch.tensor([t for _, d in pairs for t in self.reasonings[d][1:]], device=self.device)
         lengths = torch.tensor([len(q) for q in queries])
         valid = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).to(self.device)  # [B, Q]
-        matched = torch.tensor([pair in self.rows_of for pair in pairs])
+        matched = torch.tensor([d in self.rows_of.get(u, {}) for u, d in pairs])
         logp, entropy = token_logprobs(
             self.head,
             hidden,
@@ -467,7 +470,7 @@ class _Run:
             self.L[d, u] += sums[b]
             for k, L_head in self.L_head.items():
                 L_head[d, u] += head_sums[k][b]
-            for r in self.rows_of.get((u, d), ()):
+            for r in self.rows_of.get(u, {}).get(d, ()):
                 self.entropy[r][1:] = entropy_np[b, : len(self.reasonings[d]) - 1]
                 self.matched[r][1:] = per_position_np[b, : len(self.reasonings[d]) - 1]
 
