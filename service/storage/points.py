@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select
+from sqlalchemy import and_, bindparam, func, insert, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -70,28 +71,28 @@ def record_points(
             for p in points
         ],
     )
-    existing = {
-        (lm.sampler, lm.name): lm
-        for lm in session.scalars(
-            select(LatestMetric).where(LatestMetric.run_id == run_id, LatestMetric.name.in_({p.name for p in points}))
+    # One upsert, not a read then an insert: two workers storing steps of one run at once would both find no row
+    # and collide on the key (the batch then failed: seen under load). A row moves only to a newer (segment, step).
+    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    rows = {(p.sampler, p.name): p.value for p in points}
+    statement = dialect_insert(LatestMetric).values(
+        [
+            {"run_id": run_id, "sampler": sampler, "name": name, "step": step, "segment": segment, "value": value,
+             "updated_at": now}
+            for (sampler, name), value in rows.items()
+        ]
+    )  # fmt: skip
+    new = statement.excluded
+    newer = or_(
+        new.segment > LatestMetric.segment, and_(new.segment == LatestMetric.segment, new.step >= LatestMetric.step)
+    )
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=["run_id", "sampler", "name"],
+            set_={"step": new.step, "segment": new.segment, "value": new.value, "updated_at": new.updated_at},
+            where=newer,
         )
-    }
-    for p in points:
-        current = existing.get((p.sampler, p.name))
-        if current is None:
-            session.add(
-                LatestMetric(
-                    run_id=run_id,
-                    sampler=p.sampler,
-                    name=p.name,
-                    step=step,
-                    segment=segment,
-                    value=p.value,
-                    updated_at=now,
-                )
-            )
-        elif (current.segment, current.step) <= (segment, step):
-            current.step, current.segment, current.value, current.updated_at = step, segment, p.value, now
+    )
     return len(points)
 
 
