@@ -10,10 +10,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import and_, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from service.storage.clock import db_time
+from service.storage.database import dialect_insert
 from service.storage.runs import visible_points
 from service.storage.tables import Alert, AlertCheckpoint, AlertDelivery, MetricPoint, Run, utcnow
 
@@ -84,9 +84,8 @@ def lock_alert_checkpoint(session: Session, run_id: int, sampler: str) -> AlertC
     checkpoint = session.scalar(query)
     if checkpoint is not None:
         return checkpoint
-    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     session.execute(
-        dialect_insert(AlertCheckpoint)
+        dialect_insert(session, AlertCheckpoint)
         .values(run_id=run_id, sampler=sampler, rules_key="", segment=0, step=-1, state=None, updated_at=utcnow())
         .on_conflict_do_nothing(index_elements=["run_id", "sampler"])
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import Engine, create_engine, event, exc
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -131,6 +132,11 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.close()
+
+
+def dialect_insert(session: Session, table: Any) -> postgresql.Insert | sqlite.Insert:
+    """An INSERT into ``table`` in the session's dialect: both spell ``on_conflict_do_*`` (upserts) alike."""
+    return postgresql.insert(table) if session.get_bind().dialect.name == "postgresql" else sqlite.insert(table)
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:

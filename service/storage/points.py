@@ -14,12 +14,12 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, bindparam, func, insert, or_, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from scoring.estimators import EmaState
+from service.storage.database import dialect_insert
 from service.storage.runs import visible_points
 from service.storage.tables import EmaRecord, LatestMetric, MetricPoint, Run, utcnow
 
@@ -73,9 +73,8 @@ def record_points(
     )
     # One upsert, not a read then an insert: two workers storing steps of one run at once would both find no row
     # and collide on the key (the batch then failed: seen under load). A row moves only to a newer (segment, step).
-    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     rows = {(p.sampler, p.name): p.value for p in points}
-    statement = dialect_insert(LatestMetric).values(
+    statement = dialect_insert(session, LatestMetric).values(
         [
             {"run_id": run_id, "sampler": sampler, "name": name, "step": step, "segment": segment, "value": value,
              "updated_at": now}

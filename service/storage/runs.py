@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from sqlalchemy import and_, case, func, or_, select, true, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service.storage.database import dialect_insert
 from service.storage.tables import Batch, Checkpoint, LatestMetric, MetricPoint, Run, ScorerLimits, utcnow
 
 
@@ -152,8 +152,7 @@ def record_scorer_limits(session: Session, name: str, vocab_size: int, max_posit
     """What the named scorer can score, as the process that loaded it found (ingest checks token ids)."""
     values = {"name": name, "vocab_size": vocab_size, "max_positions": max_positions, "updated_at": utcnow()}
     # An upsert: workers loading the same scorer at once must not collide on the name.
-    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    statement = dialect_insert(ScorerLimits).values(values)
+    statement = dialect_insert(session, ScorerLimits).values(values)
     session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
 
 

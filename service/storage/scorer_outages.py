@@ -8,9 +8,9 @@ from __future__ import annotations
 from datetime import datetime
 
 from sqlalchemy import Connection, delete, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service.storage.database import dialect_insert
 from service.storage.tables import ScorerOutage, utcnow
 
 
@@ -21,8 +21,7 @@ def note_down(session: Session, name: str, since: datetime, error: str) -> None:
     """
     now = utcnow()
     values = {"name": name, "since": since, "error": error, "checked_at": now}
-    dialect_insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    statement = dialect_insert(ScorerOutage).values(values)
+    statement = dialect_insert(session, ScorerOutage).values(values)
     session.execute(statement.on_conflict_do_update(index_elements=["name"], set_={"error": error, "checked_at": now}))
 
 

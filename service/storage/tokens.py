@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sqlalchemy import func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from service.storage.database import dialect_insert
 from service.storage.tables import ACCESS_STATE_ID, AccessState, ApiToken, Run, utcnow
 
 
@@ -66,10 +66,8 @@ def record_tokens_issued(session: Session) -> None:
     deleting every token does not reopen writes.
     """
     if session.get(AccessState, ACCESS_STATE_ID) is None:
-        dialect = session.get_bind().dialect.name
-        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
         # Concurrent first tokens: the second insert does nothing rather than fail.
-        session.execute(insert(AccessState).values(id=ACCESS_STATE_ID).on_conflict_do_nothing())
+        session.execute(dialect_insert(session, AccessState).values(id=ACCESS_STATE_ID).on_conflict_do_nothing())
 
 
 def tokens_were_issued(session: Session) -> bool:
