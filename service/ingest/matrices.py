@@ -18,7 +18,7 @@ from service.errors import Conflict, InvalidRequest, NotFound, StepConflict, Una
 from service.ingest.idempotency import accepted_answer, content_hash, new_batch, replay_of
 from service.ingest.limits import IngestLimits, check_size, store_payload
 from service.ingest.runs import resume_warning, segment_for
-from service.jobs.recording import ALL, ScoredBatch, finish_done, load_emas
+from service.jobs.recording import ScoredBatch, finish_done, load_emas
 from service.jobs.reward_figures import grouped_reward_figures
 from service.reads.runs import require_run
 from service.schemas.inputs import InputError, MatrixBatchIn
@@ -26,6 +26,7 @@ from service.schemas.results import BatchResult, MatrixAccepted
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import runs
+from service.storage.labels import BATCH
 from service.storage.matrices import MatrixRecord
 from service.storage.points import Point
 from service.storage.tables import Batch
@@ -200,7 +201,7 @@ def score_matrix(payload: MatrixBatchIn, ema: EmaState, filter_settings: dict[st
         scored.result.rewards, scored.result.figures = grouped_reward_figures(
             payload.row_group_ids, list(payload.rewards), filter_settings
         )
-        scored.points += [Point(ALL, name, value) for name, value in scored.result.figures.items()]
+        scored.points += [Point(BATCH, name, value) for name, value in scored.result.figures.items()]
     figures = token_entropy_stats([np.asarray(e) for e in payload.token_entropy or []])
     if diagnostics.metrics:
         prompts = payload.column_prompt_tokens

@@ -29,12 +29,10 @@ from service.schemas.results import BatchResult, SamplerResult
 from service.settings import Settings
 from service.snapshot import RunSnapshot
 from service.storage import alerts, points, queue
-from service.storage.labels import TRAINER
+from service.storage.labels import BATCH, TRAINER
 from service.storage.matrices import MatrixRecord, save_matrices
 from service.storage.points import Point
 from service.storage.tables import Batch, MetricPoint, Run
-
-ALL = "all"  # the sampler label of batch-level figures (rewards, coverage)
 
 
 @dataclass
@@ -148,7 +146,7 @@ def finish_failed(session: Session, batch_id: str, owner: str | None, reason: st
     run = RunSnapshot.of(session.get_one(Run, batch.run_id))
     if not run.alerts.enabled:
         return True
-    _lock_checkpoints(session, run, _in_step_order(run, [*run.samplers, ALL]))
+    _lock_checkpoints(session, run, _in_step_order(run, [*run.samplers, BATCH]))
     later = session.scalars(
         select(MetricPoint.sampler)
         .where(
@@ -175,7 +173,7 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
     for sampler, ema in scored.ema.items():
         points.save_ema(session, run.id, sampler, step, ema)
     save_matrices(session, run.id, batch.id, step, scored.matrices)
-    samplers = [*(scored.result.samplers or {}), *([ALL] if scored.result.figures is not None else [])]
+    samplers = [*(scored.result.samplers or {}), *([BATCH] if scored.result.figures is not None else [])]
     if not run.alerts.enabled:
         return
     lost = {name: result.lost_group_ids for name, result in (scored.result.samplers or {}).items() if result.metrics}
@@ -193,7 +191,7 @@ def record_step(session: Session, run: RunSnapshot, batch: Batch, scored: Scored
 def _in_step_order(run: RunSnapshot, samplers: Iterable[str]) -> list[str]:
     """The samplers a waiting batch may still write (a rollouts batch: ``all`` and the run's samplers), whose
     alerts must therefore see the steps in order; a matrix under a sampler name of its own has none."""
-    return [sampler for sampler in samplers if sampler == ALL or sampler in run.samplers]
+    return [sampler for sampler in samplers if sampler == BATCH or sampler in run.samplers]
 
 
 def _lock_checkpoints(session: Session, run: RunSnapshot, samplers: Iterable[str]) -> None:

@@ -13,10 +13,11 @@ import numpy as np
 from scoring.samplers import coverage
 from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
 from service.jobs.reasoning import Found
-from service.jobs.recording import ALL, ScoredBatch
+from service.jobs.recording import ScoredBatch
 from service.schemas.inputs import BatchIn
 from service.schemas.results import BatchResult, RewardResult
 from service.snapshot import RunSnapshot, is_scheduled
+from service.storage.labels import BATCH
 from service.storage.points import Point
 
 
@@ -39,7 +40,7 @@ def batch_figures(payload: BatchIn, run: RunSnapshot, found: Found) -> ScoredBat
             rewards=rewards,
             figures=figures,
         ),
-        points=[Point(ALL, name, value) for name, value in figures.items()],
+        points=[Point(BATCH, name, value) for name, value in figures.items()],
     )
 
 

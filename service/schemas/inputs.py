@@ -23,7 +23,7 @@ from scoring.partition import Extraction
 from scoring.samplers import is_turn_label
 from scoring.snr_filter import FilterConfig, FilterResult
 from service.schemas.alerts import AlertSettings
-from service.storage.labels import TRAINER
+from service.storage.labels import BATCH, TRAINER
 
 INT32_MAX = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -35,7 +35,7 @@ GroupId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 MAX_ABS_REWARD = 1e12  # far beyond any reward a trainer uses; keeps sums and spreads finite
 MAX_ABS_LOGPROB = 1e9  # nats; summed log-probabilities of any real sequence lie far inside
 # rollout samplers (per_turn's matrices are turn_<k>), batch and trainer figures
-RESERVED_SAMPLERS = ("first_turn", "trajectory", "per_turn", "all", TRAINER)
+RESERVED_SAMPLERS = ("first_turn", "trajectory", "per_turn", BATCH, TRAINER)
 MAX_TRAINER_FIGURES = 256  # figures per request: a trainer logs a few dozen (TRL ~20, verl ~100)
 MAX_ABS_FIGURE = 1e15  # keeps every stored value a finite float that JSON and both databases hold
 

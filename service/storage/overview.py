@@ -12,7 +12,7 @@ from datetime import datetime
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from service.storage.labels import TRAINER
+from service.storage.labels import BATCH, TRAINER
 from service.storage.tables import Alert, Batch, LatestMetric, MetricPoint, Run, as_utc
 
 
@@ -52,7 +52,7 @@ def run_figures(session: Session, run_ids: Sequence[int], names: Sequence[str]) 
     ):
         figures = out[run_id]
         figures.last_step = max(figures.last_step or 0, int(last))
-        if sampler not in ("all", TRAINER):  # batch figures and the trainer's own: no sampler to switch to
+        if sampler not in (BATCH, TRAINER):  # batch figures and the trainer's own: no sampler to switch to
             figures.samplers.append(sampler)
     for run_id, sampler, name, value, step in session.execute(
         select(LatestMetric.run_id, LatestMetric.sampler, LatestMetric.name, LatestMetric.value, LatestMetric.step)

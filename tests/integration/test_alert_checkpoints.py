@@ -10,12 +10,13 @@ import pytest
 from sqlalchemy import delete, event, insert, select, update
 from sqlalchemy.orm import Session
 
-from service.jobs.recording import ALL, ScoredBatch, record_step
+from service.jobs.recording import ScoredBatch, record_step
 from service.schemas.alerts import AlertSettings
 from service.schemas.results import BatchResult, SamplerResult
 from service.snapshot import RunSnapshot
 from service.storage import runs
 from service.storage.database import make_engine, make_sessions, migrate
+from service.storage.labels import BATCH
 from service.storage.points import Point
 from service.storage.tables import Alert, AlertCheckpoint, AlertDelivery, Batch, MetricPoint, Run
 from tests.fixtures import model_figures, run_figures
@@ -72,7 +73,7 @@ class Service:
                 samplers[SAMPLER] = SamplerResult(metrics={"mi_estimate": 0.0}, lost_group_ids=lost)
             else:
                 samplers[SAMPLER] = SamplerResult(skipped_reason="no reasoning")
-            has_all = any(p.sampler == ALL for p in points)
+            has_all = any(p.sampler == BATCH for p in points)
             scored = ScoredBatch(result=BatchResult(scored=True, samplers=samplers, figures={} if has_all else None))
             scored.points = points
             record_step(session, self.run, batch, scored, self.settings)
@@ -124,7 +125,7 @@ def random_step(rng, regime):
         points = []  # the sampler scored nothing this step
     figures = run_figures(rng, regime)
     if rng.random() < 0.9:
-        points += [Point(ALL, n, v) for n, v in figures.items() if rng.random() < 0.95]
+        points += [Point(BATCH, n, v) for n, v in figures.items() if rng.random() < 0.95]
     return points
 
 

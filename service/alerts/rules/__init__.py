@@ -31,9 +31,9 @@ from service.alerts.rules.reasoning import NoReasoning
 from service.alerts.rules.reward import LowRewardSignal
 from service.alerts.rules.template import TemplateCollapse, lost_prompts
 from service.schemas.alerts import AlertSettings, RuleName
+from service.storage.labels import BATCH
 
 __all__ = ["RULES", "RULES_VERSION", "Episode", "Replay", "Rewind", "Series", "evaluate", "needed_series"]
-BATCH = "all"  # the sampler label of batch-level figures (rewards, coverage)
 
 
 @dataclass(frozen=True)
