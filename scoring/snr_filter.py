@@ -19,14 +19,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
-STRATEGIES = ("top_p", "top_k", "top_k_abs", "min_p")
-FILTER_TYPES = ("largest", "smallest")
-TOP_P_MODES = ("linear", "softmax")
+Strategy = Literal["top_p", "top_k", "top_k_abs", "min_p"]
+FilterType = Literal["largest", "smallest"]
+TopPMode = Literal["linear", "softmax"]
 # RAGEN ranks by the group std under the name "reward_variance"; "reward_std" is its alias.
-METRICS = ("reward_variance", "reward_std", "reward", "reward_sum")
+Metric = Literal["reward_variance", "reward_std", "reward", "reward_sum"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
+FILTER_TYPES: tuple[FilterType, ...] = get_args(FilterType)
+TOP_P_MODES: tuple[TopPMode, ...] = get_args(TopPMode)
+METRICS: tuple[Metric, ...] = get_args(Metric)
 ZERO_SPREAD = 1e-10  # RAGEN's bound for "this score is zero"
 UPSTREAM_STRATEGIES = ("top_p", "top_k")
 
@@ -35,13 +40,13 @@ UPSTREAM_STRATEGIES = ("top_p", "top_k")
 class FilterConfig:
     """RAGEN's rollout-filter settings, with its defaults."""
 
-    strategy: str = "top_p"
+    strategy: Strategy = "top_p"
     value: float = 0.9
-    filter_type: str = "largest"
+    filter_type: FilterType = "largest"
     include_zero: bool = True
-    top_p_prob_mode: str = "linear"
+    top_p_prob_mode: TopPMode = "linear"
     selection_eps: float = 0.01
-    metric: str = "reward_variance"
+    metric: Metric = "reward_variance"
 
     def __post_init__(self) -> None:
         for name, allowed in (

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from scoring.samplers import coverage
-from scoring.snr_filter import ZERO_SPREAD, FilterConfig, filter_groups
+from scoring.snr_filter import ZERO_SPREAD, filter_groups
 from service.jobs.reasoning import Found
 from service.jobs.recording import ScoredBatch
-from service.schemas.inputs import BatchIn
+from service.schemas.inputs import BatchIn, FilterSettings
 from service.schemas.results import BatchResult, RewardResult
 from service.snapshot import RunSnapshot, is_scheduled
 from service.storage.labels import BATCH
@@ -91,7 +91,7 @@ def grouped_reward_figures(
             filter=dict(filter_settings),
         )
         return empty, figures
-    advice = filter_groups(rewards, FilterConfig(**filter_settings))  # type: ignore[arg-type]  # validated at run creation
+    advice = filter_groups(rewards, FilterSettings.model_validate(filter_settings).filter_config())
     stds = np.array(advice.group_reward_std)
     figures.update(advice.metrics)
     figures["reward_mean"] = float(np.mean([r for group in rewards for r in group]))

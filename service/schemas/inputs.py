@@ -21,7 +21,7 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from scoring.estimators import EstimatorConfig, per_token
 from scoring.partition import Extraction
 from scoring.samplers import is_turn_label
-from scoring.snr_filter import FilterConfig, FilterResult
+from scoring.snr_filter import FilterConfig, FilterResult, FilterType, Metric, Strategy, TopPMode
 from service.schemas.alerts import AlertSettings
 from service.storage.labels import BATCH, TRAINER
 
@@ -146,20 +146,20 @@ _FILTER = FilterConfig()  # RAGEN's defaults live in scoring.snr_filter; the wir
 class FilterSettings(_Strict):
     """RAGEN's rollout-filter settings: the run's SNR-aware filter, whose advice every batch reports."""
 
-    strategy: Literal["top_p", "top_k", "top_k_abs", "min_p"] = _FILTER.strategy  # type: ignore[assignment]  # FilterConfig types it as str
+    strategy: Strategy = _FILTER.strategy
     value: float = Field(
         _FILTER.value, ge=0, le=1e6, description="top_p mass, top_k fraction, top_k_abs count or min_p ratio."
     )
-    filter_type: Literal["largest", "smallest"] = _FILTER.filter_type  # type: ignore[assignment]  # FilterConfig types it as str
+    filter_type: FilterType = _FILTER.filter_type
     include_zero: bool = Field(
         _FILTER.include_zero, description="When false, groups scoring |s| <= 1e-10 are dropped first."
     )
-    top_p_prob_mode: Literal["linear", "softmax"] = _FILTER.top_p_prob_mode  # type: ignore[assignment]  # FilterConfig types it as str
+    top_p_prob_mode: TopPMode = _FILTER.top_p_prob_mode
     selection_eps: float = Field(
         _FILTER.selection_eps, ge=0, le=1e6, description="Slack subtracted from the linear top_p threshold."
     )
-    metric: Literal["reward_variance", "reward_std", "reward", "reward_sum"] = Field(
-        _FILTER.metric,  # type: ignore[arg-type]  # FilterConfig types it as str
+    metric: Metric = Field(
+        _FILTER.metric,
         description="Ranking score: group reward std (reward_variance, as RAGEN names it), mean or sum.",
     )
 
