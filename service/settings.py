@@ -190,7 +190,11 @@ class Settings(BaseSettings):
         "batch it was scoring; must differ between living workers. Empty: <host>:<slot>, the lowest slot free "
         "under <data_dir>/worker-slots (workers of one host sharing a data folder never collide).",
     )
-    scoring_paused: bool = Field(False, description="Accept batches but score none (maintenance, benchmarks).")
+    scoring_paused: bool = Field(
+        False,
+        description="Accept batches but score none (maintenance, benchmarks): no embedded worker; a `worker` "
+        "process stays up and takes no batch.",
+    )
 
     max_exported_series: int = Field(
         20_000,

@@ -79,6 +79,7 @@ def _check_bind(settings: Any) -> None:
 
 
 def run_worker(args: argparse.Namespace) -> Any:
+    import logging
     import signal
     import threading
 
@@ -103,7 +104,14 @@ def run_worker(args: argparse.Namespace) -> Any:
     sessions = make_sessions(engine)
     # The worker scores in the foreground; payload retention is the server's (its purger), not this process's.
     with Background(sessions, settings, worker=None, purge=False, join_seconds=30):
-        Worker(sessions, settings, ScorerPool(settings)).run(stop)
+        if settings.scoring_paused:  # as the server's embedded worker: up (alerts still go out), scoring nothing
+            logging.getLogger("collapse_monitor").warning(
+                "scoring is paused (COLLAPSE_MONITOR_SCORING_PAUSED): this worker takes no batch until it is "
+                "restarted without it"
+            )
+            stop.wait()
+        else:
+            Worker(sessions, settings, ScorerPool(settings)).run(stop)
     engine.dispose()
     leave_if_loading()
     return None

@@ -116,3 +116,21 @@ def test_a_worker_killed_mid_scoring_and_restarted_takes_its_batch_back_without_
     assert status_of(base, batch_id)["attempts"] == 2  # the crash counted
     assert "scoring it again" in processes.log("worker-1-restarted")
     assert points_once(postgres_url)
+
+
+def test_a_worker_takes_no_batch_while_scoring_is_paused_and_one_started_without_it_scores_it(
+    processes, tmp_path, postgres_url
+):
+    env = service_env(tmp_path, postgres_url)
+    base = start_service(processes, env, "--no-worker")
+    batch_id = long_run(base)
+    paused = processes.start(
+        "paused", [str(BIN / "collapse-monitor"), "worker"], {**env, "COLLAPSE_MONITOR_SCORING_PAUSED": "true"}
+    )
+    wait_until(lambda: "scoring is paused" in processes.log("paused"), 120, "the paused worker to start")
+    time.sleep(3)  # it polls every 0.05 s when it scores: 60 chances to take the batch
+    assert (status_of(base, batch_id)["status"], status_of(base, batch_id)["attempts"]) == ("queued", 0)
+    paused.send_signal(signal.SIGTERM)
+    assert paused.wait(timeout=60) == 0, processes.log("paused")
+    processes.start("worker", [str(BIN / "collapse-monitor"), "worker"], env)
+    wait_until(lambda: status_of(base, batch_id)["status"] == "done", 280, "the unpaused worker to score it")
