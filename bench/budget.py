@@ -27,17 +27,16 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
+from scoring.config import CACHE_DIR
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS, sequence_limit
 from service.jobs.budget import Budget, ScoringRates
 
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 SHAPES = {  # rows, distinct prompts, reasoning tokens, keeps columns
     "default": (64, 8, 300, True),
     "long": (32, 8, 1500, True),
@@ -74,7 +73,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     config = ScoringConfig(model=args.model, device="cpu")
-    scorer = load_scorer(config, CACHE)
+    scorer = load_scorer(config, CACHE_DIR)
     limit = sequence_limit(scorer.max_positions, config.max_batch_tokens)
     rates = ScoringRates()
     load_before = os.getloadavg()[0]

@@ -55,6 +55,7 @@ import torch
 
 from scoring import Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch, score_batch_naive, verify_scorer
 from scoring.batch import Tokens
+from scoring.config import CACHE_DIR
 from scoring.models import build_tiny_random, resolve_device
 from scoring.prefix_tree import build as build_tree
 from scoring.samplers import Trajectory, Turn, sample_trajectory_uniform
@@ -327,7 +328,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--max-batch-tokens", type=int, default=16384)
     parser.add_argument("--naive-micro-batch", type=int, default=4, help="pairs per naive forward (RAGEN batches)")
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/collapse-monitor").expanduser())
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = parser.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 (the 1e-3 nats check)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,10 +30,9 @@ import torch
 
 from bench.corpus.simulate import load
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
-from scoring.config import Dtype
+from scoring.config import CACHE_DIR, Dtype
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, per_token
 
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 DTYPES: tuple[Dtype, ...] = ("float32", "bfloat16")
 
 
@@ -83,7 +81,7 @@ def main() -> None:
         [corpus.prompt_of_trace[r] for r in healthy] + [i % n_task for i in range(len(templates))], dtype=np.int64
     )
     scorer_config = {d: ScoringConfig(model="smollm2-135m", device="cpu", dtype=d) for d in DTYPES}
-    scorer = load_scorer(scorer_config["float32"], CACHE)
+    scorer = load_scorer(scorer_config["float32"], CACHE_DIR)
     columns = [tuple(scorer.encode(c["text"])) for c in raw["columns"]]
     reasonings = [tuple(raw["traces"][r]["token_ids"]) for r in traces]
     # Every column as one group: each trace appears once, in its own column's group, and the

@@ -26,6 +26,7 @@ import torch
 from bench.real_run import zoo
 from scoring import ScoringBatch, load_scorer, score_batch
 from scoring.budget import batch_cost
+from scoring.config import CACHE_DIR
 from scoring.samplers import draw_samplers
 from service.jobs.rollouts import tokenized
 from service.schemas.inputs import BatchIn
@@ -35,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", default="rooms-healthy-s0", help="a recorded multi-turn arm (envs.AGENT_ARMS)")
     parser.add_argument("--step", type=int, default=8)
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/collapse-monitor").expanduser())
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = zoo.zoo_settings(args.cache_dir)

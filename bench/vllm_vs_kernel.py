@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/cross_scoring.
 from cross_scoring import build_batch, minimal_tokens
 
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
+from scoring.config import CACHE_DIR
 from service.jobs.vllm import AnyScorer, load_vllm_scorer, score_with
 from service.settings import VllmClientSettings, VllmEndpoint
-from tests.vllm.server import CACHE, environment_missing, running
+from tests.vllm.server import environment_missing, running
 
 
 def measure(scorer: AnyScorer, batch: ScoringBatch, expected_L_tok: np.ndarray) -> dict[str, float]:
@@ -64,7 +65,7 @@ def main() -> None:
     if missing is not None:
         sys.exit(missing)
     load_before = os.getloadavg()
-    reference = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)  # float32
+    reference = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE_DIR)  # float32
     shapes = args.shapes.split(",")
     batches = {shape: build_batch(reference.encode, shape, args.quick) for shape in shapes}
     expected = {shape: score_batch(reference, batch, ScoringConfig()).L_tok for shape, batch in batches.items()}
@@ -74,7 +75,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         rows = {}
         # The kernel first, with no server alive: vLLM's CPU engine keeps its threads busy while it waits.
-        kernel = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu", dtype=dtype), CACHE)  # type: ignore[arg-type]  # checked by ScoringConfig
+        kernel = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu", dtype=dtype), CACHE_DIR)  # type: ignore[arg-type]  # checked by ScoringConfig
         score_with(kernel, build_batch(reference.encode, "first-turn", True, prompts=1), ScoringConfig())  # warm-up
         for shape, batch in batches.items():
             rows[shape] = {"dtype": dtype, "shape": shape, "quick": args.quick, "rows": batch.n_rows}
@@ -87,7 +88,7 @@ def main() -> None:
         ):
             endpoint = VllmEndpoint.parse(server.spec)
             assert endpoint is not None
-            remote = load_vllm_scorer(server.spec, endpoint, CACHE, client)
+            remote = load_vllm_scorer(server.spec, endpoint, CACHE_DIR, client)
             remote.score(build_batch(reference.encode, "first-turn", True, prompts=1), ScoringConfig())  # warm-up
             for shape, batch in batches.items():
                 rows[shape]["vllm"] = measure(remote, batch, expected[shape])

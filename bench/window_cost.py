@@ -52,10 +52,10 @@ from bench.corpus.prompts import TASKS, TEMPLATE_STYLES, task_prompt, template_p
 from bench.corpus.simulate import load
 from bench.dtype_cost import DTYPES, diagnostics
 from scoring import Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch
+from scoring.config import CACHE_DIR
 from scoring.partition import THINK_CLOSE, clean_reasoning
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS, fit_window, sequence_limit
 
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 TRACES = Path("bench/corpus/long_traces.json.gz")
 WINDOWS = "full,512,256,128,64"
 
@@ -93,7 +93,7 @@ class LongSampling(LogitsProcessor):  # type: ignore[misc]  # transformers is un
 
 
 def stage_generate(args: argparse.Namespace) -> None:
-    scorer = load_scorer(ScoringConfig(model=args.model, device="cpu"), CACHE)
+    scorer = load_scorer(ScoringConfig(model=args.model, device="cpu"), CACHE_DIR)
     tokenizer = scorer.tokenizer
     prompts = [int(p) for p in args.prompts.split(",")]
     style_temperature = {int(b["style"]): float(b["temperature"]) for b in load().raw["bisection"]}
@@ -187,7 +187,7 @@ def stage_score(args: argparse.Namespace) -> None:
     dtypes = args.dtypes.split(",")
     windows = parse_windows(args.windows)
     config = {d: ScoringConfig(model=args.model, device="cpu", dtype=d) for d in dtypes}
-    base = load_scorer(config[dtypes[0]], CACHE)
+    base = load_scorer(config[dtypes[0]], CACHE_DIR)
     # One model per dtype: casting one model back and forth would round the float32 weights.
     scorers = {d: replace(base, model=copy.deepcopy(base.model).to(dtype=getattr(torch, d))) for d in dtypes}
     whole = batches(base, traces)

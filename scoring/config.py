@@ -7,10 +7,12 @@ Must not import service/.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
 Attention = Literal["auto", "packed", "cascade"]
+CACHE_DIR = Path("~/.cache/collapse-monitor").expanduser()  # converted GGUF models: every default cache folder
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlsplit
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from scoring.config import ScoringConfig
+from scoring.config import CACHE_DIR, ScoringConfig
 from scoring.dependence import DEFAULT_HEAD_TOKENS
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS
 
@@ -149,9 +149,7 @@ class Settings(BaseSettings):
     checkpoint_root: Path | None = Field(
         None, description="Policy checkpoints announced by trainers must lie under this folder; none when unset."
     )
-    cache_dir: Path = Field(
-        Path("~/.cache/collapse-monitor").expanduser(), description="Converted GGUF models are cached here."
-    )
+    cache_dir: Path = Field(CACHE_DIR, description="Converted GGUF models are cached here.")
     device: str = Field(_SCORING.device, description="auto (CUDA when present), cpu, cuda or cuda:N.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Scorer precision.")
     max_batch_tokens: int = Field(_SCORING.max_batch_tokens, ge=1, description="Token budget of every scoring forward.")

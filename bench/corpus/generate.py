@@ -43,10 +43,10 @@ import torch
 
 from bench.corpus.prompts import TASKS, TEMPLATE_STYLES, task_prompt, template_prompt
 from scoring import Scorer, ScoringBatch, ScoringConfig, load_scorer, score_batch
+from scoring.config import CACHE_DIR
 from scoring.models import smollm2_gguf_path
 from scoring.partition import THINK_CLOSE, clean_reasoning
 
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 MIN_TOKENS = 8  # shorter traces say too little to be told apart; they are skipped
 PILOT_PROMPTS = (0, 4, 7, 10)  # one per single-turn family
 
@@ -388,7 +388,7 @@ def main() -> None:
     if args.stage == "merge":
         stage_merge(None, args)
         return
-    scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
+    scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE_DIR)
     STAGES[args.stage](scorer, args)
 
 

@@ -32,6 +32,7 @@ import httpx
 
 from bench.real_run import tasks, train
 from bench.serving import served
+from scoring.config import CACHE_DIR
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -85,7 +86,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="real-run-"))
     arms_dir = work / "arms"
     arms_dir.mkdir(parents=True, exist_ok=True)
-    cache_dir = Path("~/.cache/collapse-monitor").expanduser()
+    cache_dir = CACHE_DIR
     scorer = "tiny-random" if args.smoke else "smollm2-135m"
     settings = {
         "DATA_DIR": str(work / "data"),

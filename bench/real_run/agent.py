@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.real_run import envs
+from scoring.config import CACHE_DIR
 from scoring.dependence import chance_corrected
 
 log = logging.getLogger("agent")
@@ -431,7 +432,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="this arm's folder: steps.jsonl")
     parser.add_argument("--url", default="", help="the service: each step goes live to run <prefix>-<arm>")
     parser.add_argument("--run-prefix", default="agent")
-    parser.add_argument("--cache-dir", default=str(Path("~/.cache/collapse-monitor").expanduser()))
+    parser.add_argument("--cache-dir", default=str(CACHE_DIR))
     parser.add_argument("--smoke", action="store_true", help="tiny random policy (the test suite's mode)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--steps", type=int, default=None, help="14; the remedy trial 30")

@@ -14,6 +14,8 @@ import gzip
 import json
 from pathlib import Path
 
+from scoring.config import CACHE_DIR
+
 
 def main() -> None:
     from bench.real_run.agent import AlertWatch
@@ -22,7 +24,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("record", type=Path)
-    parser.add_argument("--cache-dir", type=Path, default=Path("~/.cache/collapse-monitor").expanduser())
+    parser.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = parser.parse_args()
     watch = AlertWatch(args.cache_dir, smoke=False)
     with gzip.open(args.record, "rt") as f:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from bench.real_run import protocol, tasks, zoo
+from scoring.config import CACHE_DIR
 from scoring.dependence import DependenceConfig, dependence_signals, head_per_token, nearest_log_ratio
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics, per_token
 from service.alerts.rules import evaluate
@@ -114,7 +115,7 @@ def column_prompts(record: list[dict[str, Any]]) -> list[list[list[int]]]:
 def _tokenizer() -> Any:
     from scoring.models import load_tokenizer
 
-    return load_tokenizer("smollm2-135m", Path("~/.cache/collapse-monitor").expanduser())
+    return load_tokenizer("smollm2-135m", CACHE_DIR)
 
 
 def family_level(family: str) -> float:

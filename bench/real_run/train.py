@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.real_run import tasks, zoo
+from scoring.config import CACHE_DIR
 from scoring.dependence import chance_corrected
 
 # SmolLM2's own chat template; the tiny random policy gets this minimal ChatML one.
@@ -300,7 +301,7 @@ def main() -> None:
     parser.add_argument("--url", default="", help="the service; none: train and record the batches only")
     parser.add_argument("--out", required=True, help="this arm's folder (under the service's checkpoint_root)")
     parser.add_argument("--run-prefix", default="real-run")
-    parser.add_argument("--cache-dir", default=str(Path("~/.cache/collapse-monitor").expanduser()))
+    parser.add_argument("--cache-dir", default=str(CACHE_DIR))
     parser.add_argument("--smoke", action="store_true", help="tiny random policy (the test suite's mode)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 beats 2 on a busy 2-core machine)")
     add_options(parser)

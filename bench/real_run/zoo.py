@@ -36,6 +36,7 @@ from typing import Any
 
 from bench.real_run import envs, tasks
 from scoring import estimators
+from scoring.config import CACHE_DIR
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent
@@ -338,7 +339,7 @@ def main() -> None:
     trainer.add_argument("--work", type=Path, default=None, help="logs and checkpoints (default: a temp folder)")
     scorer = commands.add_parser("score", help="score the recorded arms not scored yet, as the service does")
     scorer.add_argument("--arms", default=",".join(tasks.ZOO), help="comma-separated, of tasks.ZOO")
-    scorer.add_argument("--cache-dir", type=Path, default=Path("~/.cache/collapse-monitor").expanduser())
+    scorer.add_argument("--cache-dir", type=Path, default=CACHE_DIR)
     args = parser.parse_args()
     if args.command == "score":
         score([a for a in args.arms.split(",") if a], args.cache_dir)

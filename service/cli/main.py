@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import get_args
 
-from scoring.config import Dtype
+from scoring.config import CACHE_DIR, Dtype
 from scoring.window import DEFAULT_MAX_REASONING_TOKENS
 from service.cli.admin import (
     run_dashboards_push,
@@ -43,7 +43,7 @@ from service.cli.admin import (
     run_tokens_revoke,
 )
 from service.cli.flags import Parser, UsageError, database_flags, service_flags
-from service.cli.offline import DEFAULT_CACHE_DIR, SCORING, run_filter, run_metrics, run_score
+from service.cli.offline import SCORING, run_filter, run_metrics, run_score
 from service.cli.server import run_migrate, run_serve, run_worker
 
 EXIT_BAD_INPUT = 2
@@ -95,7 +95,7 @@ def build_parser() -> Parser:
         help=f"reasoning window: longer reasoning is scored on its opening (default {DEFAULT_MAX_REASONING_TOKENS}; "
         "0 scores whole reasonings up to the model's context)",
     )
-    score.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="converted GGUF models")
+    score.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="converted GGUF models")
     score.set_defaults(command=run_score)
 
     serve = commands.add_parser("serve", help="run the HTTP service (settings also from COLLAPSE_MONITOR_* and .env)")

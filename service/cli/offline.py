@@ -20,9 +20,6 @@ from service.schemas.results import SamplerResult
 SCORING = ScoringConfig()  # the scoring defaults the `score` flags show
 
 
-DEFAULT_CACHE_DIR = Path("~/.cache/collapse-monitor").expanduser()
-
-
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.corpus.simulate import load
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
+from scoring.config import CACHE_DIR
 from scoring.models import smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
-
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 
 
 def test_the_corpus_records_the_scorer_it_was_scored_with():
@@ -32,7 +30,7 @@ def test_a_sample_of_committed_entries_matches_a_fresh_scoring():
     # Two healthy traces of two prompts (one per half) and one template trace of each style.
     picks = [int(rng.choice(corpus.healthy(p))) for p in (0, 1)]
     picks += [int(rng.choice(corpus.templates(s))) for s in range(corpus.n_styles)]
-    scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
+    scorer = load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE_DIR)
     columns = [scorer.encode(c["text"]) for c in raw["columns"]]
     for r in picks:
         trace = raw["traces"][r]

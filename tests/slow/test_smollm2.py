@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch, score_batch_naive
+from scoring.config import CACHE_DIR
 from scoring.estimators import EmaState, EstimatorConfig, compute_diagnostics
 from scoring.partition import split_turn
 
 pytestmark = pytest.mark.slow
 
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 TURNS = [
     ("You are in a grid world. The goal is directly above you.", "The goal is above me, so I should move up."),
     ("What is 17 times 3?", "17 times 3 is 51 because 17 times 3 equals 51."),
@@ -24,7 +22,7 @@ TURNS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
+    return load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE_DIR)
 
 
 def test_hand_written_reasoning_scores_highest_under_its_own_prompt(smollm2):

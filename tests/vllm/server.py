@@ -19,11 +19,12 @@ from pathlib import Path
 
 import httpx
 
+from scoring.config import CACHE_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-vllm"
 READY = VENV / ".ready"  # written by scripts/vllm-env once the environment imports
 LOCK = ROOT / ".cache" / "vllm-env.lock"  # held by scripts/vllm-env while it builds
-CACHE = Path("~/.cache/collapse-monitor").expanduser()
 SERVED_NAME = "smollm2"
 # On 2 quiet cores vLLM's CPU backend was healthy in ~50 s; at load 7-10 its imports alone took 5 minutes.
 START_SECONDS = 600.0
@@ -51,7 +52,7 @@ def smollm2_folder() -> Path:
     """The converted SmolLM2 folder, made on first use (as the kernel's scorer makes it)."""
     from scoring.models import converted_folder, smollm2_gguf_path
 
-    return converted_folder(smollm2_gguf_path(), CACHE)
+    return converted_folder(smollm2_gguf_path(), CACHE_DIR)
 
 
 def free_port() -> int:

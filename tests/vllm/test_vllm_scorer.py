@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 
 from scoring import ScoringBatch, ScoringConfig, load_scorer, score_batch
 from scoring.budget import pair_cost
+from scoring.config import CACHE_DIR
 from scoring.scorer import ModelLoadError
 from service.jobs.scorers import ScorerPool
 from service.jobs.vllm import VllmScorer, load_vllm_scorer
@@ -21,7 +22,6 @@ from service.settings import VllmClientSettings, VllmEndpoint
 from service.storage.database import make_engine, make_sessions
 from service.storage.tables import Batch, MetricPoint
 from tests.fixtures import points_of, wait_for
-from tests.vllm.server import CACHE
 
 pytestmark = pytest.mark.vllm
 
@@ -41,14 +41,14 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def kernel():
-    return load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE)
+    return load_scorer(ScoringConfig(model="smollm2-135m", device="cpu"), CACHE_DIR)
 
 
 @pytest.fixture(scope="module")
 def remote(vllm_server) -> Iterator[VllmScorer]:
     endpoint = VllmEndpoint.parse(vllm_server.spec)
     assert endpoint is not None
-    scorer = load_vllm_scorer(vllm_server.spec, endpoint, CACHE, CLIENT)
+    scorer = load_vllm_scorer(vllm_server.spec, endpoint, CACHE_DIR, CLIENT)
     yield scorer
     scorer.close()
 
@@ -100,11 +100,11 @@ def test_a_server_serving_another_tokenizer_is_refused_at_load(vllm_server):
     endpoint = VllmEndpoint.parse(spec)
     assert endpoint is not None
     with pytest.raises(ModelLoadError, match=r"the vLLM server's tokenizer differs from 'tiny-random''s from token 0"):
-        load_vllm_scorer("wrong", endpoint, CACHE, CLIENT)
+        load_vllm_scorer("wrong", endpoint, CACHE_DIR, CLIENT)
     wrong_model = VllmEndpoint.parse(spec.replace("model=smollm2", "model=qwen"))
     assert wrong_model is not None
     with pytest.raises(ModelLoadError, match=r"must serve model 'qwen', it serves smollm2"):
-        load_vllm_scorer("wrong", wrong_model, CACHE, CLIENT)
+        load_vllm_scorer("wrong", wrong_model, CACHE_DIR, CLIENT)
 
 
 def rollouts(n_groups: int, per_group: int) -> list[dict]:
