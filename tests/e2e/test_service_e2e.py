@@ -64,8 +64,15 @@ def test_ingest_score_scrape_with_a_real_prometheus(processes, tmp_path):
     assert float(up[0]["value"][1]) == 1
 
 
+PUSH = "I push the box to the goal. " * 4
+
+
 def heavy_batch(step: int, groups: int = 16) -> dict:
-    """Enough distinct prompts and rows that the tiny model needs about a second on 2 cores (16 groups)."""
+    """Enough distinct prompts and reasonings that the tiny model needs about a second on 2 cores (16 groups).
+
+    Every row's reasoning is its own: the kernel scores a reasoning several rows carry once, so rows that
+    differed only by their group's 3 rewards made a batch of 48 groups as cheap as one of 3 rows.
+    """
     out = []
     for g in range(groups):
         for k in range(3):
@@ -76,7 +83,7 @@ def heavy_batch(step: int, groups: int = 16) -> dict:
                     "turns": [
                         {
                             "prompt": f"Step {step}. Board {g}-{t}: " + "wall floor box goal " * 12,
-                            "response": f"<think>{'I push the box to the goal. ' * 4}{k}</think><answer>Up</answer>",
+                            "response": f"<think>{PUSH}{g}-{k}</think><answer>Up</answer>",
                         }
                         for t in range(2)
                     ],

@@ -30,9 +30,14 @@ def test_a_worker_exits_cleanly_within_seconds_of_sigterm(processes, tmp_path, p
     assert time.monotonic() - asked < 10
 
 
+# Forwards of 512 tokens at most: long_run's batch then takes many of them (the tiny model ran it whole in 3 s).
+LONG_RUN_LIMIT = {"COLLAPSE_MONITOR_MAX_BATCH_TOKENS": "512"}
+
+
 def long_run(base: str) -> str:
-    """A run and one batch whose scoring takes many forwards: 48 groups, 9 times the pairs of 16, whose
-    whole scoring took 3 s on an idle machine (a SIGTERM 3 s in must find it mid-scoring)."""
+    """A run and one batch whose scoring takes many forwards: 48 groups, 9 times the pairs of 16, scored
+    in forwards of 512 tokens (``LONG_RUN_LIMIT``): ~13 s beside other work here, and a SIGTERM 3 s in
+    must find it mid-scoring (in forwards of the default size, 3 s in all on an idle machine)."""
     with httpx.Client(base_url=base, timeout=30) as http:
         run = {"name": "long", "sampler": {"num_samples": None, "samplers": ["trajectory"]}}
         assert http.post("/v1/runs", json=run).status_code == 201
@@ -60,7 +65,7 @@ def worker_scoring_long_run(
 ) -> tuple[dict[str, str], str, str, subprocess.Popen[bytes]]:
     """A service without a worker and ``worker-1`` scoring ``long_run``'s batch under a 300 s lease:
     (the environment, the service's URL, the batch id, worker-1)."""
-    env = service_env(tmp_path, postgres_url, COLLAPSE_MONITOR_LEASE_SECONDS="300")
+    env = service_env(tmp_path, postgres_url, COLLAPSE_MONITOR_LEASE_SECONDS="300", **LONG_RUN_LIMIT)
     base = start_service(processes, env, "--no-worker")
     batch_id = long_run(base)
     worker = processes.start("worker-1", [str(BIN / "collapse-monitor"), "worker"], env)
@@ -86,7 +91,7 @@ def test_sigterm_mid_scoring_exits_within_seconds_and_another_worker_scores_the_
 
 
 def test_serve_with_its_embedded_worker_exits_within_seconds_of_sigterm_mid_scoring(processes, tmp_path):
-    env = service_env(tmp_path, COLLAPSE_MONITOR_LEASE_SECONDS="300")
+    env = service_env(tmp_path, COLLAPSE_MONITOR_LEASE_SECONDS="300", **LONG_RUN_LIMIT)
     base = start_service(processes, env)
     batch_id = long_run(base)
     wait_until(lambda: status_of(base, batch_id)["status"] == "scoring", 120, "scoring to start")
@@ -121,7 +126,7 @@ def test_a_worker_killed_mid_scoring_and_restarted_takes_its_batch_back_without_
 def test_a_worker_takes_no_batch_while_scoring_is_paused_and_one_started_without_it_scores_it(
     processes, tmp_path, postgres_url
 ):
-    env = service_env(tmp_path, postgres_url)
+    env = service_env(tmp_path, postgres_url, **LONG_RUN_LIMIT)
     base = start_service(processes, env, "--no-worker")
     batch_id = long_run(base)
     paused = processes.start(
