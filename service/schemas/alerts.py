@@ -148,6 +148,13 @@ class AlertSettings(BaseModel):
         description="... and no higher than this share above it. Template reasoning often scores a higher per-token "
         "entropy than grounded reasoning (it is generic text), so the band is wide upwards.",
     )
+    entropy_band_while_firing: bool = Field(
+        False,
+        description="TemplateCollapse: a firing episode's steps, too, count as held only within the band (the rule "
+        "frozen on 2026-12-06). Off: the band judges until the episode fires, then only the signal's recovery "
+        "(release_fraction) resolves it, so an episode does not resolve mid-collapse because H(Z|X) rose with a "
+        "blow-up (docs/evaluation.md).",
+    )
     entropy_floor: float = Field(0.5, gt=0, lt=1, description="EntropyCollapse fires below this share of baseline.")
     reward_std_fraction: float = Field(0.1, gt=0, lt=1, description="LowRewardSignal: share of baseline reward std.")
     reward_window: int = Field(

@@ -70,6 +70,29 @@ def test_a_partial_recovery_while_the_cause_stands_does_not_resolve_a_firing_epi
     assert (first.resolved_step, first.state, second.onset_step, second.state) == (10, "resolved", 12, "pending")
 
 
+def test_a_firing_episode_does_not_resolve_because_entropy_left_its_band_while_the_signal_stays_low():
+    # rooms-starved-s0's shape (docs/evaluation.md): dependence falls, the episode fires at 8, then the policy
+    # blows up and H(Z|X) rises past 3 times its baseline (the band's top) while the signal stays at the floor.
+    signal = [4.0] * 5 + [1.0] * 7
+    entropy = [2.0] * 7 + [3.0, 7.0, 8.0, 9.0, 9.5]
+    (episode,) = evaluate("r", "s", template_series(signal, entropy), ZSCORE)
+    assert (episode.fired_step, episode.resolved_step, episode.state) == (8, None, "firing")
+    assert "H(Z|X) 9.5 has left its band since the episode fired (the signal alone resolves it)" in episode.summary
+    # Sinking below the band once firing (the policy sharpening) does not end it either; EntropyCollapse says so.
+    sinking = [2.0] * 8 + [1.2, 0.9, 0.8, 0.8]
+    episodes = evaluate("r", "s", template_series(signal, sinking), ZSCORE)
+    assert [(e.rule, e.state, e.fired_step) for e in episodes] == [
+        ("TemplateCollapse", "firing", 8),
+        ("EntropyCollapse", "firing", 12),
+    ]
+    # The band still opens the judgement: a drop that arrives with entropy out of band never becomes a template.
+    assert evaluate("r", "s", template_series(signal, [2.0] * 5 + [9.0] * 7), ZSCORE) == []
+    # The rule frozen on 2026-12-06 counted the blow-up's steps as misses: resolved at 10, signal at the floor.
+    old = ZSCORE.model_copy(update={"entropy_band_while_firing": True})
+    (episode,) = evaluate("r", "s", template_series(signal, entropy), old)
+    assert (episode.fired_step, episode.resolved_step, episode.state) == (8, 10, "resolved")
+
+
 def test_steps_of_fewer_prompts_than_min_prompts_are_not_judged_nor_in_the_baseline():
     signal = [4.0, 4.0, 0.5, 4.0, 4.0, 4.0, 0.5, 0.5, 0.5, 0.5, 0.5]
     prompts = [8.0, 8.0, 2.0, 8.0, 8.0, 8.0, 3.0, 3.0, 3.0, 8.0, 8.0]

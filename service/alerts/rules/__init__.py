@@ -57,7 +57,7 @@ RULES = (
 # In a checkpoint's key (``service.alerts.state.rules_key``): a state saved by other rules is not resumed.
 # Bump it when a rule judges differently; a saved state lacking a rule, or whose shape changed, is replayed
 # from the start anyway (``Rewind``).
-RULES_VERSION = 4
+RULES_VERSION = 5
 
 
 class Replay:

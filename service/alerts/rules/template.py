@@ -5,11 +5,12 @@ it counts as low (the absolute threshold, or a drop of more than ``drop_fraction
 baseline, whichever is higher), or, for ``mi_cusum``, a one-sided CUSUM of mi_estimate against its
 baseline that rises above ``cusum_threshold``. A step counts only while H(Z|X) stays within its band
 (no more than ``entropy_band`` below its baseline, ``entropy_band_above`` above): the failure entropy
-cannot see. A firing episode resolves only once the signal is back above its release level (halfway
-from the level to the baseline by default), so a partial recovery while the cause stands does not end
-it; steps of fewer than ``min_prompts`` distinct prompts are not judged. When the episode reaches the
-latest batch it names that batch's prompts that lost input dependence. Must not import fastapi or touch
-the database.
+cannot see. The band judges until an episode fires; a firing episode resolves only once the signal is
+back above its release level (halfway from the level to the baseline by default), so neither a partial
+recovery while the cause stands nor H(Z|X) leaving its band (a blow-up on top of the collapse) ends it;
+steps of fewer than ``min_prompts`` distinct prompts are not judged. When the episode reaches the latest
+batch it names that batch's prompts that lost input dependence. Must not import fastapi or touch the
+database.
 """
 
 from __future__ import annotations
@@ -146,14 +147,16 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
 
     def judge(self, row: TemplateRow) -> tuple[bool, bool]:
         config, (signal_base, entropy_base, _, threshold, mi_level) = self.config, self.fixed
-        if self.m.fired is not None and config.signal != CUSUM:
+        firing = self.m.fired is not None
+        if firing and config.signal != CUSUM:
             # Hysteresis: a firing episode's cause stands until the signal is well back, not just over the level.
             threshold = release_level(threshold, signal_base, config.release_fraction)
+        # The band tells a template from an entropy collapse when an episode opens; once it fires, H(Z|X)
+        # leaving the band (rising with a blow-up, sinking as the policy sharpens) is no sign the cause is gone.
+        in_band = (firing and not config.entropy_band_while_firing) or in_band_of(row.entropy, entropy_base, config)
         hold = (
             (row.signal > threshold if config.signal == CUSUM else row.signal < threshold)
-            and (1 - config.entropy_band) * entropy_base
-            <= row.entropy
-            <= (1 + config.entropy_band_above) * entropy_base
+            and in_band
             and (not self.s.confirm or (row.ci_high if row.ci_high is not None else math.inf) < mi_level)
         )
         return hold, self.streak(0, hold) >= config.window
@@ -180,12 +183,25 @@ class TemplateCollapse(Rule[TemplateRow, TemplateState]):
                     f"{config.signal} {value:.4g} is back above {threshold:.4g} (baseline {signal_base:.4g}; it "
                     f"resolves above {release:.4g})"
                 )
+        entropy = "did not fall"
+        if not in_band_of(row.entropy, entropy_base, config):
+            held_on = span.fired is not None and not config.entropy_band_while_firing
+            entropy = (
+                "has left its band since the episode fired (the signal alone resolves it)"
+                if held_on
+                else "left its band"
+            )
         summary = (
             f"{self.name} on run {self.run} ({self.sampler}) at step {span.last}: {change} over {span.n_rows} scored "
-            f"steps since step {span.onset}{recovering(span, config)}, while H(Z|X) {row.entropy:.4g} did not "
-            f"fall (baseline {entropy_base:.4g})"
+            f"steps since step {span.onset}{recovering(span, config)}, while H(Z|X) {row.entropy:.4g} {entropy} "
+            f"(baseline {entropy_base:.4g})"
         )
         return Figures(value, signal_base, threshold, summary, self.advice)
+
+
+def in_band_of(entropy: float, baseline: float, config: AlertSettings) -> bool:
+    """H(Z|X) within its band: no more than ``entropy_band`` below its baseline, ``entropy_band_above`` above."""
+    return (1 - config.entropy_band) * baseline <= entropy <= (1 + config.entropy_band_above) * baseline
 
 
 def release_level(threshold: float, baseline: float, fraction: float) -> float:
