@@ -34,17 +34,18 @@ GROUND_TRUTH = "word_retrieval_above_chance"
 CANDIDATES = ("retrieval_mrr", "mi_seq_normalized", "nearest_log_ratio")
 
 
-def frozen_settings() -> AlertSettings:
-    """The run defaults, checked against the freeze: the evaluation refuses defaults it was not frozen with."""
-    settings = AlertSettings()
-    if settings.model_dump(mode="json") != protocol.FREEZE["settings"]:
-        changed = sorted(
-            k for k, v in settings.model_dump(mode="json").items() if protocol.FREEZE["settings"].get(k) != v
-        )
+def frozen_settings(freeze: dict[str, Any]) -> AlertSettings:
+    """A freeze's alert settings; the latest freeze's must be the run defaults: the evaluation refuses defaults
+    it was not frozen with."""
+    settings = AlertSettings.model_validate(freeze["settings"])
+    assert settings.model_dump(mode="json") == freeze["settings"], f"the freeze of {freeze['date']} omits a field"
+    defaults = AlertSettings().model_dump(mode="json")
+    latest = protocol.FREEZES[-1]
+    if freeze is latest and defaults != latest["settings"]:
+        changed = sorted(k for k, v in defaults.items() if latest["settings"].get(k) != v)
         raise SystemExit(
-            f"the alert defaults differ from the freeze of {protocol.FREEZE['date']} (commit "
-            f"{protocol.FREEZE['commit']}) in {', '.join(changed)}: freeze them anew (protocol.FREEZE) and judge "
-            "them on runs scored after it"
+            f"the alert defaults differ from the freeze of {latest['date']} (commit {latest['commit']}) in "
+            f"{', '.join(changed)}: freeze them anew (protocol.FREEZES) and judge them on runs scored after it"
         )
     return settings
 
@@ -133,12 +134,15 @@ def per_turn(
     return out
 
 
-def judge(arms: Sequence[str]) -> dict[str, Any]:
-    settings = frozen_settings()
-    level = levels(arms)
-    turn_level = {f: turn_levels(arms, f) for f in envs.ENVS if any(family_of(a) == f for a in arms)}
+def judge(arms: Sequence[str], freeze: dict[str, Any], controls: Sequence[str] | None = None) -> dict[str, Any]:
+    """``arms`` judged by ``freeze``'s rule, the levels from the healthy controls among ``controls`` (default:
+    ``arms``; a later freeze's runs take the whole held-out table's, the truth being no freeze's)."""
+    settings = frozen_settings(freeze)
+    controls = arms if controls is None else controls
+    level = levels(controls)
+    turn_level = {f: turn_levels(controls, f) for f in envs.ENVS if any(family_of(a) == f for a in arms)}
     table: dict[str, Any] = {}
-    waiting = [a for a in arms if not level[family_of(a)] > 0]  # no healthy control scored yet: no level
+    waiting = [a for a in arms if not level.get(family_of(a), math.nan) > 0]  # no healthy control: no level
     for arm in (a for a in arms if a not in waiting):
         record, scored = zoo.read_record(arm), zoo.read_scored(arm)
         truth = [s[GROUND_TRUTH] for s in record]
@@ -175,9 +179,8 @@ def judge(arms: Sequence[str]) -> dict[str, Any]:
         a["lead_success"] = protocol.lead(fired, a["success_fall"])
         a["lead_reward"] = protocol.lead(fired, a["reward_fall"])
     return {
-        "command": "python -m bench.real_run.evaluation",
-        "freeze": protocol.FREEZE,
-        "levels": {k: round(v, 4) for k, v in sorted(level.items()) if v > 0},
+        "freeze": freeze,
+        "levels": {k: round(v, 4) for k, v in sorted(level.items()) if v > 0 and any(family_of(a) == k for a in arms)},
         "waiting_for_a_healthy_control": waiting,
         "arms": table,
         "summary": summary(table),
@@ -212,36 +215,10 @@ def summary(table: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The tables of docs/evaluation.md."""
+    """The tables of docs/evaluation.md: the first freeze's on every held-out run, then each later freeze's on
+    the runs scored after it."""
     arms = result["arms"]
-    lines = [
-        "| arm | kind | driver | label (margin) | crossing | default fired | outcome | resolved mid-collapse | "
-        "words-only truth, first / last | task success, first / max / last | policy entropy, first / max |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for arm, a in arms.items():
-        truth = [t for t in a["truth"] if t is not None]
-        lines.append(
-            f"| {arm} | {a['kind']} | {a['driver']} | {a['label']} ({a['margin']}) | {a['crossing'] or '-'} | "
-            f"{a['fired'] or '-'} | {a['outcome']} | {', '.join(map(str, a['resolved_mid_collapse'])) or '-'} | "
-            f"{truth[0]} / {truth[-1]} | {a['task_success'][0]} / {max(a['task_success'])} / "
-            f"{a['task_success'][-1]} | {a['policy_entropy'][0]} / {max(a['policy_entropy'])} |"
-        )
-    lines += [
-        "",
-        "| signal | runs | template collapses: caught within 2 / early / late / missed | false alarms on healthy "
-        "arms | blow-ups caught |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for kind, row in result["summary"].items():
-        for name in ("default", *CANDIDATES):
-            r = row[name]
-            label = "the frozen default" if name == "default" else f"{name} (candidate)"
-            lines.append(
-                f"| {label}, {kind} | {row['runs']} ({row['template']} template, {row['blow-up']} blow-up, "
-                f"{row['healthy']} healthy) | {r['caught']} / {r['early']} / {r['late']} / {r['missed']} | "
-                f"{r['false_alarms']} of {row['healthy']} | {r['blow_ups_caught']} of {row['blow-up']} |"
-            )
+    lines = [*arm_rows(arms), "", *summary_rows(result["summary"])]
     turns = {arm: a for arm, a in arms.items() if a["per_turn"]}
     if turns:
         lines += [
@@ -264,7 +241,56 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {arm} | {a['fired'] or '-'} | {a['success_fall'] or '-'} | {_signed(a['lead_success'])} | "
             f"{a['reward_fall'] or '-'} | {_signed(a['lead_reward'])} |"
         )
+    for later in result["later_freezes"]:
+        freeze = later["freeze"]
+        lines += [
+            "",
+            f"**Judged by the freeze of {freeze['date']}** ({freeze['change']}), on the runs scored after it:",
+        ]
+        waiting = ", ".join(later["waiting_for_a_healthy_control"])
+        if not later["arms"]:
+            lines += [
+                "",
+                "No run scored after it yet" + (f" but {waiting}, waiting for a healthy control." if waiting else "."),
+            ]
+            continue
+        lines += ["", *arm_rows(later["arms"]), "", *summary_rows(later["summary"])]
     return "\n".join(lines) + "\n"
+
+
+def arm_rows(arms: dict[str, Any]) -> list[str]:
+    lines = [
+        "| arm | kind | driver | label (margin) | crossing | default fired | outcome | resolved mid-collapse | "
+        "words-only truth, first / last | task success, first / max / last | policy entropy, first / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, a in arms.items():
+        truth = [t for t in a["truth"] if t is not None]
+        lines.append(
+            f"| {arm} | {a['kind']} | {a['driver']} | {a['label']} ({a['margin']}) | {a['crossing'] or '-'} | "
+            f"{a['fired'] or '-'} | {a['outcome']} | {', '.join(map(str, a['resolved_mid_collapse'])) or '-'} | "
+            f"{truth[0]} / {truth[-1]} | {a['task_success'][0]} / {max(a['task_success'])} / "
+            f"{a['task_success'][-1]} | {a['policy_entropy'][0]} / {max(a['policy_entropy'])} |"
+        )
+    return lines
+
+
+def summary_rows(summary: dict[str, Any]) -> list[str]:
+    lines = [
+        "| signal | runs | template collapses: caught within 2 / early / late / missed | false alarms on healthy "
+        "arms | blow-ups caught |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for kind, row in summary.items():
+        for name in ("default", *CANDIDATES):
+            r = row[name]
+            label = "the frozen default" if name == "default" else f"{name} (candidate)"
+            lines.append(
+                f"| {label}, {kind} | {row['runs']} ({row['template']} template, {row['blow-up']} blow-up, "
+                f"{row['healthy']} healthy) | {r['caught']} / {r['early']} / {r['late']} / {r['missed']} | "
+                f"{r['false_alarms']} of {row['healthy']} | {r['blow_ups_caught']} of {row['blow-up']} |"
+            )
+    return lines
 
 
 def remedy(arms: Sequence[str]) -> dict[str, Any]:
@@ -374,8 +400,15 @@ END = "<!-- end of held-out tables -->"
 
 
 def build() -> dict[str, Any]:
-    """Everything evaluation.json holds: the held-out table and the remedy trial, from the committed records."""
-    return judge(held_out_arms()) | {"remedy": remedy(remedy_arms())}
+    """Everything evaluation.json holds, from the committed records: every held-out run judged by the first
+    freeze, the runs scored after each later freeze judged by it, and the remedy trial."""
+    arms = held_out_arms()
+    later = [judge([a for a in arms if a not in f["seen"]], f, arms) for f in protocol.FREEZES[1:]]
+    return (
+        {"command": "python -m bench.real_run.evaluation"}
+        | judge(arms, protocol.FREEZE)
+        | {"later_freezes": later, "remedy": remedy(remedy_arms())}
+    )
 
 
 def tables(result: dict[str, Any]) -> str:

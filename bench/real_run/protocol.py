@@ -1,6 +1,7 @@
 """The evaluation protocol (issue 36, docs/evaluation.md): the one home of every rule the tables judge by.
 
-Written, and the alert defaults frozen (``FREEZE``), before any held-out run was scored. Pure Python
+Written, and the alert defaults frozen (``FREEZE``), before any held-out run was scored; a later freeze
+(``FREEZE_2``) judges only the runs scored after it. Pure Python
 and NumPy: no torch, no service.
 
 * **Truth**, per step, read from words only: the completions' retrieval of their own prompt by the
@@ -62,8 +63,37 @@ FREEZE = {
         "reward_window": 10,
         "zero_variance_ratio": 0.5,
         "use_intervals": False,
+        # Not a field yet at this freeze (added with FREEZE_2): True is the rule this freeze judged by.
+        "entropy_band_while_firing": True,
     },
 }
+# The second freeze: one change, found on the held-out runs (rooms-starved-s0's first_turn episode resolved
+# mid-collapse as H(Z|X) rose with the blow-up), so it is judged only on the held-out runs not yet scored
+# when it was made: every arm but those in "seen" (scored, or partly scored, under the first freeze).
+FREEZE_2 = {
+    "date": "2026-12-07",
+    "commit": "4e8e01c068d4bc1fd86099784d54bce9c382f817",
+    "change": "entropy_band_while_firing: false (once an episode fires, only the signal's recovery resolves it)",
+    "seen": [
+        "arith-healthy-s2",
+        "arith-lr-s2",
+        "arith-style-s2",
+        "arith-consensus-s2",
+        "word-healthy-s2",
+        "word-starved-s2",
+        "reverse-shape-s2",
+        "mixed-healthy-s2",
+        "mixed-style-s2",
+        "rooms-healthy-s0",
+        "rooms-long-s0",
+        "rooms-starved-s0",
+        "rooms-blind-s0",
+        "rooms-lr-s0",
+        "shop-healthy-s0",
+    ],
+    "settings": {**FREEZE["settings"], "entropy_band_while_firing": False},
+}
+FREEZES = (FREEZE, FREEZE_2)
 
 
 def sustained_below(series: Sequence[float | None], bar: float, start: int = 2) -> int | None:
