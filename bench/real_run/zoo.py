@@ -316,8 +316,15 @@ def score_arm(arm: str, scorer: Any, settings: Any) -> list[dict[str, Any]]:
         for point in scored.points:
             points.setdefault(point.sampler, {})[point.name] = point.value
         # The samplers' matrices in the order they were scored: first_turn's at the top level (the zoo's
-        # layout), the others (multi-turn: trajectory, turn_1 ...) under "samplers".
-        by_sampler = {m.sampler: matrices(*found) for m, found in zip(scored.matrices, seen, strict=True)}
+        # layout), the others (multi-turn: trajectory, turn_1 ...) under "samplers". A sampler scored without
+        # metrics (a turn index one episode reached) keeps no matrix: each matrix takes the next scoring whose
+        # scores it holds.
+        scorings, by_sampler = iter(seen), {}
+        for m in scored.matrices:
+            same = (c for c in scorings if c[1].L_tok.shape == m.L_tok.shape)
+            by_sampler[m.sampler] = matrices(
+                *next(c for c in same if np.array_equal(c[1].L_tok, m.L_tok, equal_nan=True))
+            )
         steps.append(
             {
                 "step": record["step"],
