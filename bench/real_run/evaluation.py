@@ -4,8 +4,9 @@
 
 Reads every held-out arm that is trained and scored (``tasks.HELD_OUT``, ``envs.AGENT_ARMS``; records and
 scoring in ``bench/real_run/heldout/``) and judges the service's own rules (``service.alerts.rules``) with
-the defaults frozen in ``protocol.FREEZE``, which it refuses to run without: a default changed since the
-freeze needs a new freeze, judged on runs scored after it. Everything it judges by is
+the defaults frozen in ``protocol.FREEZE``; each later freeze (``protocol.FREEZES``) judges the runs scored
+after it. It refuses to run when the defaults differ from the latest freeze: a default changed since needs a
+new freeze, judged on runs scored after it. Everything it judges by is
 ``bench.real_run.protocol``'s. Per arm: its label and margin, the crossing, the default's first firing
 (single-turn: the first_turn sampler; multi-turn: first_turn or trajectory, RAGEN's two), the outcome,
 resolutions mid-collapse, the candidate signals' firings (reported, not eligible until a new freeze), and
