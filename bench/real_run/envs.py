@@ -330,7 +330,9 @@ class RemedyArm:
 # every step.
 REMEDY = AgentArm("reverse", "remedy", 1e-3, hard=True, entropy_coef=0.003)
 REMEDY_FILTERS = ("none", "ragen-linear", "ragen-softmax", "dapo", "unscaled", "on-alert")
-REMEDY_ARMS = {f"remedy-{f}-s{seed}": RemedyArm(f, seed) for seed in (0, 1, 2) for f in REMEDY_FILTERS}
+# Seeds 3 and 4 (2026-12-07) because the same seed trained twice moved final success by 0.6 (docs/evaluation.md):
+# 3 seeds cannot separate the filters' paired differences from that, and a sign test over 5 can reach 0.0625.
+REMEDY_ARMS = {f"remedy-{f}-s{seed}": RemedyArm(f, seed) for seed in range(5) for f in REMEDY_FILTERS}
 
 
 def first_named(reply: str, options: Sequence[str]) -> str:
